@@ -1,0 +1,223 @@
+"""Memory-bounded per-token log-probs, entropy and top-K at a sampling temperature.
+
+The naive path materializes fp32 logits [tokens, vocab] plus a log-softmax of the same size: for
+8 x 2048 tokens and Qwen's 151,936-token vocabulary that is 10 GB per copy. Here the logits are
+formed ``chunk`` tokens at a time (from hidden states x output embedding, or by upcasting a slice of
+given logits), reduced to the per-token statistics, and dropped. Backward recomputes each chunk's
+softmax instead of saving it (one extra matmul per chunk on the hidden-state path) and writes the
+gradient straight into the input's gradient.
+
+    log pi(y_t | s_t) = z[y_t] - logsumexp(z),  z = logits / temperature
+    entropy_t = -sum_v p_v log p_v,             p = softmax(z)
+    d logp / d z = onehot(y) - p,  d entropy / d z = -p (log p + entropy)
+
+Top-K log-probs (and ids) are returned without gradient: they feed diagnostics and Top-K DPPO masks.
+``targets`` must hold valid token ids everywhere (use any id, such as 0, at padded positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# Budget for one chunk's fp32 logits: 2**25 floats = 128 MiB (220 tokens at a 151,936 vocabulary).
+# Forward holds ~2 such buffers, backward ~3; larger chunks gain nothing once the matmul is efficient.
+DEFAULT_CHUNK_ELEMENTS = 2**25
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """Per-token statistics of the sampled tokens. Leading shape [...] is the targets' shape."""
+
+    logp: torch.Tensor
+    """[...] fp32 log-prob of each target token under softmax(logits / temperature)."""
+    entropy: torch.Tensor | None = None
+    """[...] fp32 entropy of softmax(logits / temperature); None unless requested."""
+    topk_logp: torch.Tensor | None = None
+    """[..., K] fp32 log-probs of the K most likely tokens (descending); no gradient."""
+    topk_ids: torch.Tensor | None = None
+    """[..., K] int64 ids of those tokens."""
+
+
+def chunk_size(vocab: int, max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Tokens per chunk so one chunk's fp32 logits stay within ``max_elements``."""
+    return max(1, max_elements // vocab)
+
+
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool, topk: int):
+    """Turn a chunk's scaled logits z [n, V] (consumed in place) into logp, entropy, top-K."""
+    z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is now log-softmax
+    logp = z.gather(1, targets[:, None]).squeeze(1)
+    entropy = None
+    if want_entropy:
+        probs = z.exp()
+        entropy = -torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+    top = torch.topk(z, topk, dim=-1) if topk > 0 else None
+    return logp, entropy, top
+
+
+def _chunk_grad(z: torch.Tensor, targets: torch.Tensor, g_logp: torch.Tensor, g_entropy, temperature: float):
+    """d(loss)/d(logits) for one chunk, from the upstream grads of logp and entropy; consumes z."""
+    z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    probs = z.exp()
+    if g_entropy is not None:
+        entropy = -torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).reshape(-1, 1)
+        # grad = -g_logp * p - g_ent * p * (log p + H), folded into one buffer (reusing z).
+        grad = z.add_(entropy).mul_(g_entropy[:, None]).add_(g_logp[:, None]).mul_(probs).neg_()
+    else:
+        grad = probs.mul_(-g_logp[:, None])
+    grad.scatter_add_(1, targets[:, None], g_logp[:, None])
+    return grad.div_(temperature)
+
+
+def _run_forward(make_z: Callable[[int, int], torch.Tensor], n: int, chunk: int, targets, want_entropy, topk, device):
+    logp = torch.empty(n, dtype=torch.float32, device=device)
+    entropy = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=device)
+    top_v = torch.empty(n, topk, dtype=torch.float32, device=device)
+    top_i = torch.empty(n, topk, dtype=torch.long, device=device)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        lp, ent, top = _chunk_stats(make_z(s, e), targets[s:e], want_entropy, topk)
+        logp[s:e] = lp
+        if want_entropy:
+            entropy[s:e] = ent
+        if top is not None:
+            top_v[s:e], top_i[s:e] = top.values, top.indices
+    return logp, entropy, top_v, top_i
+
+
+class _HiddenLogProbs(torch.autograd.Function):
+    """Chunked statistics of softmax(hidden @ weight.T / T); gradients to hidden and weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, want_entropy, topk, chunk):
+        def make_z(s, e):
+            return torch.matmul(hidden[s:e], weight.t()).float().div_(temperature)
+
+        outs = _run_forward(make_z, hidden.shape[0], chunk, targets, want_entropy, topk, hidden.device)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.want_entropy, ctx.chunk = temperature, want_entropy, chunk
+        ctx.mark_non_differentiable(outs[2], outs[3])
+        return outs
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        g_logp = torch.zeros(hidden.shape[0], device=hidden.device) if g_logp is None else g_logp.float()
+        use_ent = ctx.want_entropy and g_entropy is not None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(hidden.shape[0], s + ctx.chunk)
+            z = torch.matmul(hidden[s:e], weight.t()).float().div_(ctx.temperature)
+            grad_z = _chunk_grad(z, targets[s:e], g_logp[s:e], g_entropy[s:e].float() if use_ent else None, ctx.temperature)
+            grad_z = grad_z.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = grad_z @ weight
+            if grad_w is not None:
+                grad_w.add_(grad_z.t().float() @ hidden[s:e].float())
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+class _LogitsLogProbs(torch.autograd.Function):
+    """Chunked statistics of softmax(logits / T) without a full fp32 copy of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, want_entropy, topk, chunk):
+        def make_z(s, e):
+            return logits[s:e].float().div(temperature)
+
+        outs = _run_forward(make_z, logits.shape[0], chunk, targets, want_entropy, topk, logits.device)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.want_entropy, ctx.chunk = temperature, want_entropy, chunk
+        ctx.mark_non_differentiable(outs[2], outs[3])
+        return outs
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i):
+        logits, targets = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        g_logp = torch.zeros(logits.shape[0], device=logits.device) if g_logp is None else g_logp.float()
+        use_ent = ctx.want_entropy and g_entropy is not None
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = min(logits.shape[0], s + ctx.chunk)
+            z = logits[s:e].float().div(ctx.temperature)
+            grad[s:e] = _chunk_grad(z, targets[s:e], g_logp[s:e], g_entropy[s:e].float() if use_ent else None, ctx.temperature)
+        return grad, None, None, None, None, None
+
+
+def _check(targets: torch.Tensor, lead: torch.Size, temperature: float, topk: int, vocab: int) -> None:
+    if targets.shape != lead:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal the leading shape {tuple(lead)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 <= topk <= vocab:
+        raise ValueError(f"topk must be in [0, vocab={vocab}], got {topk}")
+
+
+def _package(lead: torch.Size, outs, want_entropy: bool, topk: int) -> TokenLogProbs:
+    logp, entropy, top_v, top_i = outs
+    return TokenLogProbs(
+        logp=logp.reshape(lead),
+        entropy=entropy.reshape(lead) if want_entropy else None,
+        topk_logp=top_v.reshape(*lead, topk) if topk else None,
+        topk_ids=top_i.reshape(*lead, topk) if topk else None,
+    )
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    topk: int = 0,
+    max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> TokenLogProbs:
+    """Statistics of softmax(hidden @ weight.T / temperature) for hidden [..., H], weight [V, H]."""
+    lead = hidden.shape[:-1]
+    _check(targets, lead, temperature, topk, weight.shape[0])
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match weight {tuple(weight.shape)}")
+    chunk = chunk_size(weight.shape[0], max_chunk_elements)
+    outs = _HiddenLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk
+    )
+    return _package(lead, outs, entropy, topk)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    topk: int = 0,
+    max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> TokenLogProbs:
+    """Statistics of softmax(logits / temperature) for logits [..., V] of any float dtype."""
+    lead = logits.shape[:-1]
+    _check(targets, lead, temperature, topk, logits.shape[-1])
+    chunk = chunk_size(logits.shape[-1], max_chunk_elements)
+    flat = logits.reshape(-1, logits.shape[-1])
+    outs = _LogitsLogProbs.apply(flat, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk)
+    return _package(lead, outs, entropy, topk)
+
+
+def naive_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, entropy: bool = False, topk: int = 0
+) -> TokenLogProbs:
+    """Reference implementation over full fp32 logits (what the chunked kernels must equal)."""
+    logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    top = torch.topk(logq.detach(), topk, dim=-1) if topk else None
+    return TokenLogProbs(
+        logp=logq.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1),
+        entropy=-(logq.exp() * logq).sum(-1) if entropy else None,
+        topk_logp=top.values if top is not None else None,
+        topk_ids=top.indices if top is not None else None,
+    )

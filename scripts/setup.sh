@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv and installs drpo with its test extra, without pulling a CUDA torch.
+#
+# torch==2.13.0 is installed first and explicitly: on the CPU development machines its CPU wheel
+# lies on disk, and any looser requirement would let pip fetch a multi-GB CUDA build.
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${DRPO_VENV:-.venv}"
+TORCH_SPEC="${DRPO_TORCH_SPEC:-torch==2.13.0}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+stamp="$VENV/.drpo-setup-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ -f "$stamp" ]; then
+    exit 0
+fi
+"${PIP[@]}" install --upgrade "pip>=24"
+"${PIP[@]}" install "$TORCH_SPEC"
+"${PIP[@]}" install -e ".[test]"
+touch "$stamp"
