@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests run on CPU; markers (ray, engine, gpu, slow) are registered in pyproject."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def off_policy_batch():
+    """A float64 [8, 64] batch with long-tailed mu (1e-6..1), A = 0 included, and extreme ratios.
+
+    A quarter of the tokens have pi drawn independently of mu (ratios up to ~1e6 and down to ~1e-6),
+    a quarter have pi == mu exactly, the rest pi near mu; 15% of advantages are exactly 0; a few
+    tokens are padding.
+    """
+    g = torch.Generator().manual_seed(0)
+    shape = (8, 64)
+    rollout_logp = torch.empty(shape, dtype=torch.float64).uniform_(math.log(1e-6), 0.0, generator=g)
+    near = rollout_logp + 0.1 * torch.randn(shape, dtype=torch.float64, generator=g)
+    independent = torch.empty(shape, dtype=torch.float64).uniform_(math.log(1e-6), 0.0, generator=g)
+    kind = torch.randint(0, 4, shape, generator=g)
+    policy_logp = torch.where(kind == 0, independent, torch.where(kind == 1, rollout_logp, near))
+    # keep pi <= 0.9999 so 1 - pi stays well away from the Bernoulli floor
+    policy_logp = policy_logp.clamp(max=math.log(0.9999)).requires_grad_()
+    advantages = torch.randn(shape, dtype=torch.float64, generator=g)
+    advantages = torch.where(torch.rand(shape, generator=g) < 0.15, torch.zeros_like(advantages), advantages)
+    mask = torch.rand(shape, generator=g) > 0.05
+    return policy_logp, rollout_logp, advantages, mask
