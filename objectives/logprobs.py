@@ -52,8 +52,8 @@ def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool, top
     logp = z.gather(1, targets[:, None]).squeeze(1)
     entropy = None
     if want_entropy:
-        probs = z.exp()
-        entropy = -torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+        # In place then torch's cascade sum: a bmm dot product was 60x less accurate at V = 49k.
+        entropy = -z.exp().mul_(z).sum(dim=-1)
     top = torch.topk(z, topk, dim=-1) if topk > 0 else None
     return logp, entropy, top
 
@@ -63,7 +63,7 @@ def _chunk_grad(z: torch.Tensor, targets: torch.Tensor, g_logp: torch.Tensor, g_
     z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
     probs = z.exp()
     if g_entropy is not None:
-        entropy = -torch.bmm(probs.unsqueeze(1), z.unsqueeze(2)).reshape(-1, 1)
+        entropy = -(probs * z).sum(dim=-1, keepdim=True)
         # grad = -g_logp * p - g_ent * p * (log p + H), folded into one buffer (reusing z).
         grad = z.add_(entropy).mul_(g_entropy[:, None]).add_(g_logp[:, None]).mul_(probs).neg_()
     else:
@@ -210,10 +210,20 @@ def logprobs_from_logits(
 
 
 def naive_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, entropy: bool = False, topk: int = 0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+    topk: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> TokenLogProbs:
-    """Reference implementation over full fp32 logits (what the chunked kernels must equal)."""
-    logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    """Reference over full logits upcast to ``dtype`` (what the chunked kernels must equal).
+
+    Measured at V = 151,936 with logits of scale ~3: the fp32 naive entropy is off by ~4e-5 from
+    float64, the chunked kernel by ~6e-6, so tests compare against ``dtype=torch.float64``.
+    """
+    logq = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     top = torch.topk(logq.detach(), topk, dim=-1) if topk else None
     return TokenLogProbs(
         logp=logq.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1),
