@@ -235,6 +235,22 @@ def test_drpo_metrics_count_corrective_tokens():
     assert out.metrics["regularizer_share"].value.item() == pytest.approx((reg.sum() / (reg.sum() + surr.sum())).item())
 
 
+def test_drpo_weight_histogram_bins():
+    mu = torch.full((1, 5), 0.5, dtype=torch.float64)
+    pi = torch.tensor([[0.85, 0.65, 0.25, 0.95, 0.7]], dtype=torch.float64)
+    A = torch.tensor([[1.0, 1.0, 1.0, -1.0, 0.0]], dtype=torch.float64)
+    out = objectives.compute(
+        objectives.make_config("drpo", delta=0.2), objectives.ObjectiveInputs(pi.log().requires_grad_(), mu.log(), A)
+    )
+    hist = out.metrics["weight_hist"]
+    # w = -0.75, 0.25, 2.25, 3.25 (the A = 0 token carries no gradient and is not counted)
+    torch.testing.assert_close(hist.edges, torch.linspace(-4.0, 6.0, 11))
+    expected = torch.zeros(10)
+    expected[[3, 4, 6, 7]] = 1.0
+    assert torch.equal(hist.value, expected)
+    assert out.metrics["weight_mean"].value.item() == pytest.approx((-0.75 + 0.25 + 2.25 + 3.25) / 4)
+
+
 @pytest.mark.parametrize(
     "name,delta", [("dppo_binary_tv", 0.15), ("dppo_binary_kl", 0.05)]
 )
