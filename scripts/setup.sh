@@ -13,11 +13,16 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-stamp="$VENV/.drpo-setup-$(sha1sum pyproject.toml | cut -c1-12)"
+stamp="$VENV/.drpo-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
     exit 0
 fi
 "${PIP[@]}" install --upgrade "pip>=24"
 "${PIP[@]}" install "$TORCH_SPEC"
 "${PIP[@]}" install -e ".[test]"
+# verl, for tests/test_verl_adapter.py only. verl pins transformers < 5.11, so it cannot share the
+# main environment: its loss module and the few packages that module imports go, without their
+# dependencies, into a separate folder the test puts on a subprocess's path.
+"${PIP[@]}" install --no-deps --target "$VENV/verl-site" --upgrade \
+    verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 cloudpickle==3.1.3 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
 touch "$stamp"
