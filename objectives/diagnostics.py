@@ -40,11 +40,13 @@ def gap_metrics(
     rollout_logp: torch.Tensor,
     mask: torch.Tensor | None = None,
     delta: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> dict[str, Metric]:
     """|pi - mu| mean/max/quantiles, k1 and k3 estimates of KL(mu || pi), chi^2, ratio quantiles.
 
     With tokens sampled from mu and r = pi/mu: k1 = -log r, k3 = r - 1 - log r (unbiased, >= 0),
-    chi^2 = (r - 1)^2 estimates chi^2(pi || mu). ``delta`` adds the fraction with |pi - mu| > delta.
+    chi^2 = (r - 1)^2 estimates chi^2(pi || mu). ``delta`` adds the fraction with |pi - mu| > delta;
+    ``entropy`` [B, T] (the learner's, from logprobs.py) adds its mean.
     """
     valid = torch.ones_like(policy_logp, dtype=torch.bool) if mask is None else mask.bool()
     policy_logp, rollout_logp = policy_logp.detach().float(), rollout_logp.detach().float()
@@ -65,6 +67,8 @@ def gap_metrics(
         out[f"ratio_p{round(q * 100):02d}"] = masked_quantile(ratio, valid, q)
     if delta is not None:
         out["beyond_delta_frac"] = fraction(shift > delta, valid)
+    if entropy is not None:
+        out["entropy_mean"] = masked_mean(entropy, valid)
     return out
 
 

@@ -88,6 +88,16 @@ def _run_forward(make_z: Callable[[int, int], torch.Tensor], n: int, chunk: int,
     return logp, entropy, top_v, top_i
 
 
+def _backward_chunks(make_z, n: int, ctx, targets, g_logp, g_entropy, device):
+    """Yield (start, end, d loss / d logits) chunk by chunk, recomputing each chunk's logits."""
+    g_logp = torch.zeros(n, device=device) if g_logp is None else g_logp.float()
+    use_entropy = ctx.want_entropy and g_entropy is not None
+    for s in range(0, n, ctx.chunk):
+        e = min(n, s + ctx.chunk)
+        g_ent = g_entropy[s:e].float() if use_entropy else None
+        yield s, e, _chunk_grad(make_z(s, e), targets[s:e], g_logp[s:e], g_ent, ctx.temperature)
+
+
 class _HiddenLogProbs(torch.autograd.Function):
     """Chunked statistics of softmax(hidden @ weight.T / T); gradients to hidden and weight."""
 
@@ -107,12 +117,11 @@ class _HiddenLogProbs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        g_logp = torch.zeros(hidden.shape[0], device=hidden.device) if g_logp is None else g_logp.float()
-        use_ent = ctx.want_entropy and g_entropy is not None
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = min(hidden.shape[0], s + ctx.chunk)
-            z = torch.matmul(hidden[s:e], weight.t()).float().div_(ctx.temperature)
-            grad_z = _chunk_grad(z, targets[s:e], g_logp[s:e], g_entropy[s:e].float() if use_ent else None, ctx.temperature)
+
+        def make_z(s, e):
+            return torch.matmul(hidden[s:e], weight.t()).float().div_(ctx.temperature)
+
+        for s, e, grad_z in _backward_chunks(make_z, hidden.shape[0], ctx, targets, g_logp, g_entropy, hidden.device):
             grad_z = grad_z.to(hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = grad_z @ weight
@@ -141,12 +150,12 @@ class _LogitsLogProbs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i):
         logits, targets = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        g_logp = torch.zeros(logits.shape[0], device=logits.device) if g_logp is None else g_logp.float()
-        use_ent = ctx.want_entropy and g_entropy is not None
-        for s in range(0, logits.shape[0], ctx.chunk):
-            e = min(logits.shape[0], s + ctx.chunk)
-            z = logits[s:e].float().div(ctx.temperature)
-            grad[s:e] = _chunk_grad(z, targets[s:e], g_logp[s:e], g_entropy[s:e].float() if use_ent else None, ctx.temperature)
+
+        def make_z(s, e):
+            return logits[s:e].float().div(ctx.temperature)
+
+        for s, e, grad_z in _backward_chunks(make_z, logits.shape[0], ctx, targets, g_logp, g_entropy, logits.device):
+            grad[s:e] = grad_z
         return grad, None, None, None, None, None
 
 

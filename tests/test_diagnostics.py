@@ -14,7 +14,7 @@ def test_gap_metrics_by_hand():
     mu = torch.tensor([[0.5, 0.5, 0.2, 0.9]])
     pi = torch.tensor([[0.5, 0.6, 0.1, 0.1]])
     mask = torch.tensor([[True, True, True, False]])
-    m = gap_metrics(pi.log(), mu.log(), mask, delta=0.05)
+    m = gap_metrics(pi.log(), mu.log(), mask, delta=0.05, entropy=torch.tensor([[1.0, 2.0, 3.0, 100.0]]))
     shift = [0.0, 0.1, 0.1]
     r = [1.0, 1.2, 0.5]
     assert m["abs_shift_mean"].value.item() == pytest.approx(sum(shift) / 3, rel=1e-5)
@@ -26,6 +26,7 @@ def test_gap_metrics_by_hand():
     assert m["beyond_delta_frac"].value.item() == pytest.approx(2 / 3)
     assert m["abs_shift_mean"].reduction == "mean" and m["abs_shift_mean"].count.item() == 3
     assert m["abs_shift_max"].reduction == "max"
+    assert m["entropy_mean"].value.item() == pytest.approx(2.0)
 
 
 def test_masked_quantile_matches_lower_quantile_of_valid_entries():
