@@ -41,18 +41,19 @@ from objectives.config import DRPOConfig, DRPONoAbsAdvConfig, KLPenaltyConfig, M
 WEIGHT_HISTOGRAM_BINS = 10
 
 
-def weight_histogram(signed_shift: torch.Tensor, among: torch.Tensor, delta: float) -> Metric:
+def weight_histogram(signed_shift: torch.Tensor, among: torch.Tensor, delta: float, weights: torch.Tensor | None = None) -> Metric:
     """Histogram of w = 1 - signed_shift/delta over its range [1 - 1/delta, 1 + 1/delta].
 
     signed_shift = sign(A)(pi - mu) lies in [-1, 1], and w's bins are uniform over the image of that
     interval, so the bin of w is floor((1 - signed_shift) * bins / 2), whatever delta is (computing
     it arithmetically instead of with bucketize saved 40% of DRPO's step time). Outer bins are
-    open-ended against rounding.
+    open-ended against rounding. ``weights`` is ``among`` as floats, when the caller has it.
     """
     edges = torch.linspace(1.0 - 1.0 / delta, 1.0 + 1.0 / delta, WEIGHT_HISTOGRAM_BINS + 1, device=signed_shift.device)
     index = (1.0 - signed_shift.detach()).mul_(WEIGHT_HISTOGRAM_BINS / 2).floor_().clamp_(0, WEIGHT_HISTOGRAM_BINS - 1)
     counts = torch.zeros(WEIGHT_HISTOGRAM_BINS, device=signed_shift.device)
-    counts.scatter_add_(0, index.long().flatten(), among.flatten().to(counts.dtype))
+    src = among.flatten().to(counts.dtype) if weights is None else weights.to(counts.dtype)
+    counts.scatter_add_(0, index.long().flatten(), src)
     return Metric(counts, "histogram", among.sum(), edges)
 
 
@@ -124,11 +125,12 @@ def _weight_metrics(inputs: ObjectiveInputs, signed_shift: torch.Tensor, delta: 
     w > 1 iff signed_shift < 0.
     """
     active = inputs.valid & (inputs.advantages != 0)
+    weights = active.flatten().to(signed_shift.dtype)
     count = active.sum()
-    mean_w = 1.0 - torch.dot(signed_shift.flatten(), active.flatten().to(signed_shift.dtype)) / count.clamp_min(1) / delta
+    mean_w = 1.0 - torch.dot(signed_shift.flatten(), weights) / count.clamp_min(1) / delta
     return {
         "weight_mean": Metric(torch.where(count > 0, mean_w, 0.0), "mean", count),
-        "weight_hist": weight_histogram(signed_shift, active, delta),
+        "weight_hist": weight_histogram(signed_shift, active, delta, weights),
         "corrective_frac": fraction(signed_shift > delta, active),
         "weight_above_one_frac": fraction(signed_shift < 0, active),
     }
@@ -140,7 +142,7 @@ def drpo(inputs: ObjectiveInputs, cfg: DRPOConfig) -> ObjectiveOutput:
     with torch.no_grad():
         t = _terms(inputs)
         value, grad, metrics = _quadratic(inputs, t.adv.abs().mul_(0.5 / cfg.delta), t)
-        metrics["beyond_delta_frac"] = fraction(t.shift.abs() > cfg.delta, inputs.valid)
+        metrics["beyond_delta_frac"] = fraction((t.shift > cfg.delta) | (t.shift < -cfg.delta), inputs.valid)
         metrics |= _weight_metrics(inputs, torch.sign(t.adv).mul_(t.shift), cfg.delta)
     return ObjectiveOutput(closed_form_loss(inputs.policy_logp, value, grad), metrics)
 

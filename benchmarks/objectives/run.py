@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -43,7 +44,7 @@ def _rss_kib(field: str) -> int:
 
 
 def _measure(fn, spec: dict) -> dict:
-    """After one warm-up: median seconds over spec["reps"] calls, or peak MiB of one call.
+    """After spec["warmup"] calls (default 1): median seconds over spec["reps"] calls, or peak MiB of one.
 
     ``single`` (for runs of minutes): no warm-up, and one call gives both peak MiB and seconds.
     """
@@ -54,7 +55,8 @@ def _measure(fn, spec: dict) -> dict:
         t0 = time.perf_counter()
         fn()
         return {"seconds": time.perf_counter() - t0, "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
-    fn()
+    for _ in range(spec.get("warmup", 1)):
+        fn()
     if spec["measure"] == "time":
         times = []
         for _ in range(spec["reps"]):
@@ -118,7 +120,12 @@ def _logprob_job(spec: dict) -> dict:
     try:
         return _measure(step, spec)
     except (RuntimeError, MemoryError) as err:
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}
+        message = str(err).splitlines()[0]
+        wanted = re.search(r"tried to allocate (\d+) bytes", message)
+        if wanted:
+            gib = int(wanted.group(1)) / 2**30
+            return {"error": f"out of memory under the {spec['limit_gib']} GiB cap (one more tensor of {gib:.1f} GiB)"}
+        return {"error": f"{type(err).__name__}: {message[:160]}"}
 
 
 JOBS = {"objective": _objective_job, "logprobs": _logprob_job}
@@ -170,7 +177,7 @@ def _row(label: str, res: dict, base: dict) -> str:
 
 def bench_objectives(rounds: int, names: list[str]) -> None:
     print(f"Objective forward+backward, 64 x 4096 tokens, fp32, metrics included; median of {rounds} interleaved rounds")
-    specs = {n: {"name": n, "batch": 64, "tokens": 4096, "reps": 20} for n in ["ppo_clip", *names]}
+    specs = {n: {"name": n, "batch": 64, "tokens": 4096, "reps": 100, "warmup": 10} for n in ["ppo_clip", *names]}
     res = interleaved("objective", specs, rounds)
     for label in specs:
         print(_row(label, res[label], res["ppo_clip"]))
