@@ -1,0 +1,52 @@
+"""Atomic, weights_only checkpoints of one learner rank.
+
+A checkpoint is written to a temporary file in the target's folder, flushed and fsynced, then
+renamed over the target: a crash or a full disk mid-write leaves the previous checkpoint intact
+(rename within one filesystem is atomic). Loading uses ``torch.load(weights_only=True)``, so a
+file from elsewhere cannot run code; its metadata must match the model that loads it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: corrupt, unreadable, or for another model."""
+
+
+def save(path: str | Path, state: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a drpo learner checkpoint: {err}") from None
+    if not isinstance(state, dict) or "meta" not in state or "model" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a drpo learner checkpoint (no meta/model entries)")
+    return state
+
+
+def check_compatible(state: dict, meta: dict) -> None:
+    if state["meta"] != meta:
+        raise CheckpointError(f"checkpoint was written for {state['meta']}, this learner is {meta}")

@@ -1,0 +1,67 @@
+"""Typed learner config. Imports neither torch, Ray nor Megatron (STYLE.md item 2)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from objectives.config import AggregationConfig, DRPOConfig, ObjectiveConfig
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParallelConfig(_Config):
+    """How the learner's world is split. world size = tensor * pipeline * data."""
+
+    tensor: int = Field(1, ge=1, description="Tensor-parallel size (attention heads, MLP and vocabulary split).")
+    pipeline: int = Field(1, ge=1, le=1, description="Pipeline-parallel size; only 1 is implemented so far.")
+    expert: int = Field(1, ge=1, description="Expert-parallel size for MoE models (divides the data-parallel ranks).")
+    data: int = Field(1, ge=1, description="Data-parallel size.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    @model_validator(mode="after")
+    def _expert_divides_data(self) -> "ParallelConfig":
+        if (self.tensor * self.data) % self.expert:
+            raise ValueError(f"parallel.expert={self.expert} must divide tensor*data={self.tensor * self.data}")
+        return self
+
+
+class OptimizerConfig(_Config):
+    """AdamW with a warm-up then constant, linear or cosine schedule."""
+
+    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Clip the global gradient norm to this; None disables.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 to lr over this many steps.")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warm-up.")
+    total_steps: int | None = Field(None, ge=1, description="Steps the decay spans; required by linear and cosine.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay as a fraction of lr.")
+
+    @model_validator(mode="after")
+    def _total_for_decay(self) -> "OptimizerConfig":
+        if self.schedule != "constant" and self.total_steps is None:
+            raise ValueError(f"optimizer.total_steps is required by the {self.schedule} schedule")
+        return self
+
+
+class LearnerConfig(_Config):
+    """Everything a Learner needs besides its process group and model weights."""
+
+    objective: ObjectiveConfig = Field(default_factory=DRPOConfig, description="The policy objective and its parameters.")
+    aggregation: AggregationConfig = Field(default_factory=AggregationConfig, description="Loss aggregation mode.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and LR schedule.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature the rollout used; log-probs are taken at it.")
+    compute_entropy: bool = Field(True, description="Report the learner's per-token entropy.")
+    topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")
+    max_chunk_elements: int = Field(2**25, ge=1024, description="Logits per chunk in the memory-bounded log-prob kernel.")
+    seed: int = Field(1234, description="Seed for weight init of layers the checkpoint does not cover, and RNG state.")

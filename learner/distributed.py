@@ -1,0 +1,58 @@
+"""torch.distributed and megatron parallel_state set-up, gloo on CPU and nccl on GPU."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from learner import cpu_shims
+from learner.config import ParallelConfig
+
+
+def init(parallel: ParallelConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
+    """Join the process group (if not joined) and build megatron's tensor/pipeline/expert groups."""
+    if world_size != parallel.world_size:
+        raise ValueError(f"world size {world_size} does not match parallel config (tensor*pipeline*data = {parallel.world_size})")
+    cpu_shims.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", master_addr)
+        os.environ.setdefault("MASTER_PORT", str(master_port))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor,
+            pipeline_model_parallel_size=parallel.pipeline,
+            expert_model_parallel_size=parallel.expert,
+        )
+    cpu_shims.init_rng_tracker()
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,308 @@
+"""The Learner: one rank's megatron-core model, optimizer and DRPO (or any registered) step.
+
+A plain class, built in tests without Ray; ``learner/worker.py`` wraps it in a Ray actor. The
+process group and megatron's parallel_state must be initialized first (learner/distributed.py).
+
+Data convention: every per-token tensor of a ``TrainBatch`` is aligned with ``input_ids`` [N, S]
+(prompt and response, right-padded): position t holds the statistics of token input_ids[t], which
+the model predicts from positions < t; position 0 is never scored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+import objectives
+from learner import bridge, checkpoint
+from learner import model as modeling
+from learner.config import LearnerConfig
+from learner.distributed import tp_rank_size
+from learner.metrics import MetricAccumulator
+from objectives.diagnostics import gap_metrics
+from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """A batch of sequences to train on; every tensor is [N, S] aligned with input_ids."""
+
+    input_ids: torch.Tensor
+    """[N, S] int64 prompt + response token ids, right-padded (any id at padding)."""
+    response_mask: torch.Tensor
+    """[N, S] bool, True at response tokens that count in the loss."""
+    rollout_logp: torch.Tensor
+    """[N, S] behaviour log-prob mu of each response token, from the engine that sampled it."""
+    advantages: torch.Tensor
+    """[N, S] advantage of each response token."""
+
+    def __post_init__(self) -> None:
+        for name in ("response_mask", "rollout_logp", "advantages"):
+            t = getattr(self, name)
+            if t.shape != self.input_ids.shape:
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, input_ids has {tuple(self.input_ids.shape)}")
+        if self.response_mask[:, 0].any():
+            raise ValueError("TrainBatch.response_mask marks position 0, which has no context to predict it from")
+        if not torch.isfinite(torch.where(self.response_mask, self.rollout_logp, 0.0)).all():
+            raise ValueError("TrainBatch.rollout_logp has NaN or inf at response tokens (bad engine output)")
+
+    def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
+        for s in range(0, self.input_ids.shape[0], size):
+            yield TrainBatch(*(t[s : s + size] for t in (self.input_ids, self.response_mask, self.rollout_logp, self.advantages)))
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimizer step reports (floats, namespaced keys in ``values``)."""
+
+    step: int
+    version: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    values: dict[str, float] = field(default_factory=dict)
+    """objective/* (every objective diagnostic), gap/*, learner/entropy_mean; histograms as '/bin_i'."""
+
+
+class _GatherVocabShards(torch.autograd.Function):
+    """All-gather the vocab-parallel output weight; backward keeps this rank's rows.
+
+    Every tensor-parallel rank computes the same loss from the same hidden states, so each already
+    holds the full weight's gradient; its shard's gradient is its slice, not a sum over ranks.
+    Costs one full [V, H] weight per rank: fine for the models this runs today; a vocab-parallel
+    kernel (reduce max and sum-exp over the group) is the scalable replacement.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, group, rank, size):
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        ctx.rank, ctx.rows = rank, shard.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None, None, None
+
+
+class Learner:
+    """One rank of a learner group."""
+
+    def __init__(self, cfg: LearnerConfig, arch: modeling.ModelArch, weights: dict[str, torch.Tensor] | None = None):
+        """Build the model (megatron names, full tensors in ``weights``, sharded here), DDP and AdamW."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg, self.arch = cfg, arch
+        torch.manual_seed(cfg.seed)
+        self.tp_rank, self.tp_size = tp_rank_size()
+        module = modeling.build_gpt(arch, expert_parallel=cfg.parallel.expert, tensor_parallel=cfg.parallel.tensor)
+        if weights is not None:
+            self._load_full(module, weights)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(module.config, ddp_config, module)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.step_count = 0
+        self.version = 0
+
+    @classmethod
+    def from_hf_folder(cls, cfg: LearnerConfig, folder) -> "Learner":
+        arch = modeling.ModelArch.from_hf_folder(folder)
+        return cls(cfg, arch, bridge.hf_to_megatron(bridge.load_hf_state_dict(folder), arch))
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def _load_full(self, module, weights: dict[str, torch.Tensor]) -> None:
+        own = module.state_dict()
+        shards = {k: bridge.shard(k, v, self.tp_rank, self.tp_size) for k, v in weights.items()}
+        unknown = sorted(set(shards) - set(own))
+        if unknown:
+            raise KeyError(f"weights for parameters the model does not have: {unknown[:5]}")
+        result = module.load_state_dict(shards, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise KeyError(f"weights missing for {missing[:5]}")
+
+    def _output_weight(self) -> torch.Tensor:
+        weight = modeling.output_weight(self.module)
+        if self.tp_size == 1:
+            return weight
+        from megatron.core import parallel_state
+
+        return _GatherVocabShards.apply(weight, parallel_state.get_tensor_model_parallel_group(), self.tp_rank, self.tp_size)
+
+    def token_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
+        """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on."""
+        hidden = modeling.forward_hidden(self.module, input_ids)[:, :-1]
+        out = logprobs_from_hidden(
+            hidden, self._output_weight(), input_ids[:, 1:], self.cfg.temperature,
+            entropy=self.cfg.compute_entropy, topk=self.cfg.topk, max_chunk_elements=self.cfg.max_chunk_elements,
+        )
+
+        def pad(t):
+            return None if t is None else torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)
+
+        return TokenLogProbs(pad(out.logp), pad(out.entropy), pad(out.topk_logp), pad(out.topk_ids))
+
+    @torch.no_grad()
+    def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
+        """Log-probs without gradient (proximal_logp recomputation, evaluation)."""
+        self.model.eval()
+        return self.token_logprobs(input_ids)
+
+    # ---- step -------------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        """Forward/backward over micro-batches, all-reduce, clip, AdamW step, LR schedule."""
+        started = time.perf_counter()
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+        normalizer, tokens = self._global_normalizer(batch)
+        dp = self._dp_size()
+        acc = MetricAccumulator()
+        total_loss = torch.zeros(())
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            stats = self.token_logprobs(mb.input_ids)
+            out = objectives.compute(self.cfg.objective, objectives.ObjectiveInputs(stats.logp, mb.rollout_logp, mb.advantages, mb.response_mask))
+            loss = objectives.aggregate(out.loss, mb.response_mask, self.cfg.aggregation.mode, normalizer, self.cfg.aggregation.horizon)
+            # the loss is already normalized by global counts, so ranks' gradients must add, not average
+            (loss * dp).backward()
+            total_loss += loss.detach()
+            acc.add("objective/", out.metrics)
+            acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, entropy=stats.entropy))
+        self.model.finish_grad_sync()
+        grad_norm = self._clip_and_step()
+        self.step_count += 1
+        self.version += 1
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total_loss)
+        values = acc.reduce(self._dp_group())
+        values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
+        return StepMetrics(
+            step=self.step_count, version=self.version, loss=total_loss.item(), grad_norm=grad_norm,
+            lr=self.scheduler.get_last_lr()[0], tokens=tokens, seconds=time.perf_counter() - started, values=values,
+        )
+
+    def _global_normalizer(self, batch: TrainBatch) -> tuple[torch.Tensor, int]:
+        mask = batch.response_mask
+        counts = torch.tensor([mask.sum(), (mask.sum(dim=1) > 0).sum()], dtype=torch.float64)
+        if self._dp_size() > 1:
+            dist.all_reduce(counts, group=self._dp_group())
+        tokens = int(counts[0])
+        return (counts[0] if self.cfg.aggregation.mode == "token-mean" else counts[1]).float(), tokens
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad.to(p.dtype)
+        norm = self._grad_norm(params)
+        if self.cfg.optimizer.grad_clip is not None and math.isfinite(norm) and norm > self.cfg.optimizer.grad_clip:
+            scale = self.cfg.optimizer.grad_clip / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    def _grad_norm(self, params) -> float:
+        """Global L2 norm over every rank's shards, counting tensor-parallel replicas once."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        dense = torch.zeros((), dtype=torch.float64)
+        expert = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            sq = p.grad.double().pow(2).sum()
+            if not getattr(p, "allreduce", True):
+                expert += sq
+            elif param_is_not_tensor_parallel_duplicate(p):
+                dense += sq
+        if self.tp_size > 1:
+            dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+        return float((dense + expert).sqrt())
+
+    def _lr_factor(self, step: int) -> float:
+        opt = self.cfg.optimizer
+        if step < opt.warmup_steps:
+            return (step + 1) / (opt.warmup_steps + 1)
+        if opt.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - opt.warmup_steps) / max(1, opt.total_steps - opt.warmup_steps))
+        decay = 1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+    def _dp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def _dp_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    # ---- weights out, checkpoints ------------------------------------------------------------------
+
+    def full_megatron_state(self) -> dict[str, torch.Tensor]:
+        """Unsharded megatron-named weights (all-gathers tensor-parallel shards)."""
+        state = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        if self.tp_size == 1:
+            return {k: v.detach() for k, v in state.items()}
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        full = {}
+        for name, t in state.items():
+            parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(parts, t.detach().contiguous(), group=group)
+            full[name] = bridge.unshard(name, parts)
+        return full
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights under Hugging Face names, for rollout engines."""
+        return bridge.megatron_to_hf(self.full_megatron_state(), self.arch)
+
+    def save_checkpoint(self, path) -> None:
+        checkpoint.save(path, self._checkpoint_state())
+
+    def load_checkpoint(self, path) -> None:
+        state = checkpoint.load(path)
+        checkpoint.check_compatible(state, self._checkpoint_meta())
+        self.module.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count, self.version = int(state["step"]), int(state["version"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+    def _checkpoint_meta(self) -> dict:
+        return {"arch": self.arch.__dict__, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+
+    def _checkpoint_state(self) -> dict:
+        model_state = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        return {
+            "meta": self._checkpoint_meta(),
+            "model": model_state,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step_count,
+            "version": self.version,
+            "rng": {"torch": torch.get_rng_state()},
+        }

@@ -1,0 +1,171 @@
+"""megatron-core GPTModel for Llama-, Qwen2-, Qwen3-family dense models and a MoE variant.
+
+``ModelArch`` is the architecture read off a Hugging Face ``config.json`` (or written by hand for
+tests). ``build_gpt`` turns it into a megatron-core GPTModel with the local (non Transformer
+Engine) layer spec, which is what runs on CPU; on GPU the same spec works, only slower than TE.
+``forward_hidden`` runs the model up to the final norm and returns hidden states, so log-probs
+are computed by the memory-bounded kernels in objectives/logprobs.py instead of full logits.
+
+Family differences handled here: Qwen2 has biases on q/k/v (``qkv_bias``); Qwen3 has RMSNorm on
+each head's q and k (``qk_norm``) and an explicit head_dim; MoE replaces every MLP with
+``num_experts`` experts, ``router_topk`` of them active per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from learner import cpu_shims
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape of a decoder-only transformer, in Hugging Face terms."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    num_experts: int | None = None
+    router_topk: int = 2
+    moe_intermediate_size: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelArch":
+        """Read a Hugging Face config.json dict; unsupported families raise with their name."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported (SwiGLU models only)")
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+            raise ValueError("rope scaling is not supported yet; the model's rope_type must be 'default'")
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> "ModelArch":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: not a Hugging Face model folder")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1):
+    """The megatron-core TransformerConfig for ``arch`` (fp32, no dropout, CPU overrides applied)."""
+    from megatron.core.transformer import TransformerConfig
+
+    moe = {}
+    if arch.num_experts:
+        moe = dict(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.router_topk,
+            moe_ffn_hidden_size=arch.moe_intermediate_size or arch.intermediate_size,
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=expert_parallel,
+        )
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        # Megatron's defaults are 0.1; RL log-probs must be deterministic functions of the weights.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        tensor_model_parallel_size=tensor_parallel,
+        **moe,
+        **cpu_shims.cpu_config_overrides(),
+    )
+
+
+def build_gpt(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1):
+    """A megatron-core GPTModel for ``arch``; parallel_state must already be initialized."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(arch, expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        parallel_output=True,
+    )
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, s, s] bool, True above the diagonal (megatron masks where True).
+
+    Passed explicitly: megatron's default causal mask is created on device="cuda". Sequences are
+    right-padded, so causality alone keeps every real token from seeing padding.
+    """
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Hidden states after the final norm, [batch, seq, hidden], for input_ids [batch, seq].
+
+    Runs GPTModel's own preprocess (embedding, rotary) and decoder and stops before the output
+    layer, so no [tokens, vocab] logits are formed.
+    """
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
+    pre = model._preprocess(input_ids=input_ids, position_ids=position_ids)
+    decoder_input, rotary_pos_emb = pre[0], pre[1]
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=causal_mask(seq, input_ids.device), rotary_pos_emb=rotary_pos_emb)
+    return hidden.transpose(0, 1)
+
+
+def output_weight(model) -> torch.Tensor:
+    """The (vocab-parallel) output embedding [V / tp, hidden]: tied to the input embedding or not."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
