@@ -1,0 +1,78 @@
+"""Weight publication: HF-named tensors in size-bounded buckets, tagged with the policy version.
+
+Rollout engines load weights by Hugging Face name. The learner streams its weights through the
+bridge layer by layer and cuts them into buckets of at most ``max_bytes`` (a tensor larger than
+the bound travels alone), so neither side holds a second full copy in one message. On CPU buckets
+travel through Ray's object store (learner/group.py); on GPU the same buckets are broadcast over an
+NCCL group to the engines (rollout/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """One slice of a weight publication."""
+
+    version: int
+    """Policy version these weights produce; increases by one per optimizer step."""
+    index: int
+    """Position of this bucket in the publication (0-based)."""
+    last: bool
+    """True on the publication's final bucket: the engine may swap weights after loading it."""
+    tensors: dict[str, torch.Tensor]
+    """HF name -> tensor (CPU, contiguous)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], version: int, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+    """Group (name, tensor) pairs into WeightBuckets of at most ``max_bytes`` each."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+    index = 0
+    pending: WeightBucket | None = None
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            if pending is not None:
+                yield pending
+            pending = WeightBucket(version, index, False, current)
+            index, current, size = index + 1, {}, 0
+        current[name] = t
+        size += nbytes
+    if pending is not None:
+        yield pending
+    yield WeightBucket(version, index, True, current)
+
+
+def assemble(received: Iterable[WeightBucket]) -> tuple[int, dict[str, torch.Tensor]]:
+    """A consumer's view: check one version, contiguous indices and a final bucket; merge."""
+    version, expected, merged, done = None, 0, {}, False
+    for b in received:
+        if done:
+            raise ValueError("bucket after the final bucket of a publication")
+        if version is None:
+            version = b.version
+        if b.version != version or b.index != expected:
+            raise ValueError(f"out-of-order bucket: version {b.version} index {b.index}, expected version {version} index {expected}")
+        overlap = merged.keys() & b.tensors.keys()
+        if overlap:
+            raise ValueError(f"tensor published twice: {sorted(overlap)[:3]}")
+        merged.update(b.tensors)
+        expected, done = expected + 1, b.last
+    if not done:
+        raise ValueError("publication ended without its final bucket")
+    return version, merged
