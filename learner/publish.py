@@ -35,6 +35,20 @@ class WeightBucket:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclass(frozen=True)
+class Publication:
+    """A published policy version: bucket references (Ray ObjectRefs on CPU) and its cost."""
+
+    version: int
+    refs: list
+    nbytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
 def buckets(named: Iterable[tuple[str, torch.Tensor]], version: int, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
     """Group (name, tensor) pairs into WeightBuckets of at most ``max_bytes`` each."""
     if max_bytes <= 0:

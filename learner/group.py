@@ -1,0 +1,78 @@
+"""LearnerGroup: a placement group of LearnerWorker actors that act as one learner.
+
+It places N = tensor * pipeline * data workers (one bundle each, PACK: a multi-GPU node first),
+starts the process group on rank 0's address, splits each batch across data-parallel ranks and fans
+calls out. Data-parallel rank r (ranks are tensor-major, as megatron orders them) gets the r-th
+contiguous slice of the batch's sequences.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from learner import publish
+from learner.config import LearnerConfig
+from learner.learner import StepMetrics, TrainBatch
+from learner.worker import LearnerWorker
+
+
+class LearnerGroup:
+    def __init__(self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0):
+        self.cfg = cfg
+        n = cfg.parallel.world_size
+        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+        self.pg = placement_group([bundle] * n, strategy="PACK")
+        ray.get(self.pg.ready())
+        actor = ray.remote(LearnerWorker)
+        self.workers = [
+            actor.options(
+                num_cpus=cpus_per_worker,
+                num_gpus=gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(cfg.model_dump(), i, n, max(1, int(cpus_per_worker)))
+            for i in range(n)
+        ]
+        addr, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(addr, port, str(model_folder)) for w in self.workers])
+
+    def _dp_rank(self, rank: int) -> int:
+        return rank // self.cfg.parallel.tensor
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics."""
+        dp = self.cfg.parallel.data
+        n = batch.input_ids.shape[0]
+        if n % dp:
+            raise ValueError(f"batch of {n} sequences does not split over {dp} data-parallel ranks")
+        size = n // dp
+        parts = [TrainBatch(*(t[r * size : (r + 1) * size] for t in (batch.input_ids, batch.response_mask, batch.rollout_logp, batch.advantages))) for r in range(dp)]
+        results = ray.get([w.train_step.remote(parts[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
+        return results[0]
+
+    def compute_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probs of every sequence (each data-parallel rank computes its slice)."""
+        dp = self.cfg.parallel.data
+        chunks = torch.tensor_split(input_ids, dp)
+        outs = ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
+        return torch.cat([outs[r * self.cfg.parallel.tensor].logp for r in range(dp)])
+
+    def publish(self, max_bytes: int = publish.DEFAULT_BUCKET_BYTES) -> publish.Publication:
+        results = ray.get([w.publish.remote(max_bytes) for w in self.workers])
+        return results[0]
+
+    def save_checkpoint(self, folder: str) -> list[str]:
+        return ray.get([w.save_checkpoint.remote(folder) for w in self.workers])
+
+    def load_checkpoint(self, folder: str) -> None:
+        ray.get([w.load_checkpoint.remote(folder) for w in self.workers])
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers])
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.pg)

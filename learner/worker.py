@@ -1,0 +1,69 @@
+"""Ray actors around the Learner: thin (STYLE.md item 7); every method takes and returns typed data."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from learner import distributed, publish
+from learner.config import LearnerConfig
+from learner.learner import Learner, StepMetrics, TrainBatch
+from objectives.logprobs import TokenLogProbs
+
+
+class LearnerWorker:
+    """One learner rank in its own process. Create with ``ray.remote(LearnerWorker)``."""
+
+    def __init__(self, cfg: dict, rank: int, world_size: int, num_threads: int = 1):
+        self.cfg = LearnerConfig.model_validate(cfg)
+        self.rank, self.world_size = rank, world_size
+        torch.set_num_threads(num_threads)
+        self.learner: Learner | None = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 will listen for the process group (called on rank 0 only)."""
+        return ray.util.get_node_ip_address(), distributed.free_port()
+
+    def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
+        """Join the process group and load the model; every rank must call this concurrently."""
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port)
+        self.learner = Learner.from_hf_folder(self.cfg, model_folder)
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        return self.learner.train_step(batch)
+
+    def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
+        return self.learner.compute_logprobs(input_ids)
+
+    def publish(self, max_bytes: int) -> publish.Publication | None:
+        """Every rank takes part (tensor-parallel gathers); rank 0 puts the buckets in the object store."""
+        started = time.perf_counter()
+        named = self.learner.hf_named_tensors()
+        if self.rank != 0:
+            for _ in named:  # drain: the gathers happen lazily, layer by layer
+                pass
+            return None
+        refs, nbytes = [], 0
+        for bucket in publish.buckets(named, self.learner.version, max_bytes):
+            refs.append(ray.put(bucket))
+            nbytes += bucket.nbytes
+        return publish.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """This rank's current weights under HF names (tests and consumers check against it)."""
+        return dict(self.learner.hf_named_tensors())
+
+    def save_checkpoint(self, folder: str) -> str:
+        path = os.path.join(folder, f"learner-rank{self.rank:05d}.pt")
+        self.learner.save_checkpoint(path)
+        return path
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.learner.load_checkpoint(os.path.join(folder, f"learner-rank{self.rank:05d}.pt"))
+
+    def shutdown(self) -> None:
+        distributed.shutdown()
