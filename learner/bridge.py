@@ -141,6 +141,21 @@ def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return full
 
 
+_LOCAL_EXPERT = ".mlp.experts.local_experts."
+
+
+def expert_local_name(name: str, ep_rank: int, ep_size: int, num_experts: int) -> str | None:
+    """Expert parallelism: the local name of a full-model expert tensor on ``ep_rank``, or None
+    when another rank owns that expert. Rank r owns global experts [r*n/ep, (r+1)*n/ep)."""
+    if _LOCAL_EXPERT not in name or ep_size == 1:
+        return name
+    head, tail = name.split(_LOCAL_EXPERT)
+    index, rest = tail.split(".", 1)
+    per_rank = num_experts // ep_size
+    owner, local = divmod(int(index), per_rank)
+    return f"{head}{_LOCAL_EXPERT}{local}.{rest}" if owner == ep_rank else None
+
+
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of ``shard`` given every rank's slice in rank order."""
     if len(parts) == 1:

@@ -127,8 +127,15 @@ class Learner:
         return self.model.module
 
     def _load_full(self, module, weights: dict[str, torch.Tensor]) -> None:
+        from megatron.core import parallel_state
+
         own = module.state_dict()
-        shards = {k: bridge.shard(k, v, self.tp_rank, self.tp_size) for k, v in weights.items()}
+        ep_rank, ep_size = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+        shards = {}
+        for name, full in weights.items():
+            local = bridge.expert_local_name(name, ep_rank, ep_size, self.arch.num_experts or 1)
+            if local is not None:
+                shards[local] = bridge.shard(local, full, self.tp_rank, self.tp_size)
         unknown = sorted(set(shards) - set(own))
         if unknown:
             raise KeyError(f"weights for parameters the model does not have: {unknown[:5]}")

@@ -1,0 +1,44 @@
+"""Multi-rank cases run in fresh processes (torch.multiprocessing.spawn) by test_learner_parallel.py.
+
+Each process joins a gloo group of ``world`` ranks, builds a Learner from full megatron weights in
+``data_path`` and writes rank 0's results to ``out_path``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    from learner import distributed
+    from learner.config import LearnerConfig, OptimizerConfig, ParallelConfig
+    from learner.learner import Learner, TrainBatch
+    from learner.model import ModelArch
+
+    data = torch.load(data_path, weights_only=True)
+    arch = ModelArch(**data["arch"])
+    if case == "tp":
+        parallel = ParallelConfig(tensor=world)
+    else:
+        parallel = ParallelConfig(data=world, expert=world)
+    cfg = LearnerConfig(parallel=parallel, optimizer=OptimizerConfig(lr=1e-3, grad_clip=None), micro_batch_size=8)
+    distributed.init(parallel, rank, world, master_port=port)
+    learner = Learner(cfg, arch, data["weights"])
+    out = {}
+    if case == "tp":
+        stats = learner.compute_logprobs(data["input_ids"])
+        out["logp"], out["entropy"] = stats.logp, stats.entropy
+        batch = TrainBatch(data["input_ids"], data["mask"], stats.logp.detach(), data["advantages"])
+        metrics = learner.train_step(batch)
+        out["loss"], out["grad_norm"] = metrics.loss, metrics.grad_norm
+        out["logp_after"] = learner.compute_logprobs(data["input_ids"]).logp
+    else:
+        n = data["input_ids"].shape[0] // world
+        part = slice(rank * n, (rank + 1) * n)
+        batch = TrainBatch(data["input_ids"][part], data["mask"][part], data["rollout_logp"][part], data["advantages"][part])
+        metrics = learner.train_step(batch)
+        out["loss"], out["grad_norm"], out["tokens"] = metrics.loss, metrics.grad_norm, metrics.tokens
+    if rank == 0:
+        torch.save(out, out_path)
+    distributed.shutdown()
