@@ -18,12 +18,13 @@ def init(parallel: ParallelConfig, rank: int, world_size: int, master_addr: str 
         raise ValueError(f"world size {world_size} does not match parallel config (tensor*pipeline*data = {parallel.world_size})")
     cpu_shims.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", master_addr)
-        os.environ.setdefault("MASTER_PORT", str(master_port))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        # an explicit address, not MASTER_ADDR/PORT: those leak into child processes and tests
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+        )
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -29,7 +29,6 @@ class LearnerWorker:
 
     def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
         """Join the process group and load the model; every rank must call this concurrently."""
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port)
         self.learner = Learner.from_hf_folder(self.cfg, model_folder)
 
