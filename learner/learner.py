@@ -10,7 +10,6 @@ the model predicts from positions < t; position 0 is never scored.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import objectives
-from learner import bridge, checkpoint
+from learner import bridge, checkpoint, optim
 from learner import model as modeling
 from learner.config import LearnerConfig
 from learner.distributed import tp_rank_size
@@ -105,13 +104,11 @@ class Learner:
         module = modeling.build_gpt(arch, expert_parallel=cfg.parallel.expert, tensor_parallel=cfg.parallel.tensor)
         if weights is not None:
             self._load_full(module, weights)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(module.config, ddp_config, module)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay,
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=torch.cuda.is_available()
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.model = DistributedDataParallel(module.config, ddp_config, module)
+        self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size)
         self.step_count = 0
         self.version = 0
 
@@ -174,11 +171,11 @@ class Learner:
     # ---- step -------------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> StepMetrics:
-        """Forward/backward over micro-batches, all-reduce, clip, AdamW step, LR schedule."""
+        """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR schedule."""
         started = time.perf_counter()
         self.model.train()
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         normalizer, tokens = self._global_normalizer(batch)
         dp = self._dp_size()
         acc = MetricAccumulator()
@@ -193,7 +190,7 @@ class Learner:
             acc.add("objective/", out.metrics)
             acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, entropy=stats.entropy))
         self.model.finish_grad_sync()
-        grad_norm = self._clip_and_step()
+        grad_norm = self.optimizer.step()
         self.step_count += 1
         self.version += 1
         if dist.get_world_size() > 1:
@@ -202,7 +199,7 @@ class Learner:
         values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
         return StepMetrics(
             step=self.step_count, version=self.version, loss=total_loss.item(), grad_norm=grad_norm,
-            lr=self.scheduler.get_last_lr()[0], tokens=tokens, seconds=time.perf_counter() - started, values=values,
+            lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
         )
 
     def _global_normalizer(self, batch: TrainBatch) -> tuple[torch.Tensor, int]:
@@ -212,49 +209,6 @@ class Learner:
             dist.all_reduce(counts, group=self._dp_group())
         tokens = int(counts[0])
         return (counts[0] if self.cfg.aggregation.mode == "token-mean" else counts[1]).float(), tokens
-
-    def _clip_and_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = p.main_grad.to(p.dtype)
-        norm = self._grad_norm(params)
-        if self.cfg.optimizer.grad_clip is not None and math.isfinite(norm) and norm > self.cfg.optimizer.grad_clip:
-            scale = self.cfg.optimizer.grad_clip / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
-        if math.isfinite(norm):
-            self.optimizer.step()
-        self.scheduler.step()
-        return norm
-
-    def _grad_norm(self, params) -> float:
-        """Global L2 norm over every rank's shards, counting tensor-parallel replicas once."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            sq = p.grad.double().pow(2).sum()
-            if not getattr(p, "allreduce", True):
-                expert += sq
-            elif param_is_not_tensor_parallel_duplicate(p):
-                dense += sq
-        if self.tp_size > 1:
-            dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
-        return float((dense + expert).sqrt())
-
-    def _lr_factor(self, step: int) -> float:
-        opt = self.cfg.optimizer
-        if step < opt.warmup_steps:
-            return (step + 1) / (opt.warmup_steps + 1)
-        if opt.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - opt.warmup_steps) / max(1, opt.total_steps - opt.warmup_steps))
-        decay = 1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
 
     def _dp_group(self):
         from megatron.core import parallel_state
@@ -295,7 +249,6 @@ class Learner:
         checkpoint.check_compatible(state, self._checkpoint_meta())
         self.module.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.step_count, self.version = int(state["step"]), int(state["version"])
         torch.set_rng_state(state["rng"]["torch"])
 
@@ -308,7 +261,6 @@ class Learner:
             "meta": self._checkpoint_meta(),
             "model": model_state,
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "step": self.step_count,
             "version": self.version,
             "rng": {"torch": torch.get_rng_state()},

@@ -1,0 +1,133 @@
+"""The learner's optimizer: torch AdamW over megatron's main_grad on CPU, megatron's distributed
+optimizer on GPU, behind one small interface (step -> grad norm, LR schedule, state dicts).
+
+megatron-core's get_megatron_optimizer needs CUDA (DESIGN.md); on CPU, AdamW over each parameter's
+``main_grad`` (the fp32 buffer megatron's DDP reduces into) after ``finish_grad_sync()`` is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from learner.config import OptimizerConfig
+
+
+def lr_factor(opt: OptimizerConfig, step: int) -> float:
+    """Multiplier of the peak LR at ``step`` (0-based): linear warm-up, then constant/linear/cosine."""
+    if step < opt.warmup_steps:
+        return (step + 1) / (opt.warmup_steps + 1)
+    if opt.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - opt.warmup_steps) / max(1, opt.total_steps - opt.warmup_steps))
+    decay = 1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * decay
+
+
+def global_grad_norm(params, tp_size: int) -> float:
+    """L2 norm over every rank's shards, counting tensor-parallel replicas once.
+
+    Dense parameters sum over the tensor-parallel group (data-parallel ranks hold identical reduced
+    grads); expert parameters (``allreduce`` False under expert parallelism) over the expert group.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        sq = p.grad.double().pow(2).sum().cpu()
+        if not getattr(p, "allreduce", True):
+            expert += sq
+        elif param_is_not_tensor_parallel_duplicate(p):
+            dense += sq
+    if tp_size > 1:
+        dist.all_reduce(dense, group=parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+    return float((dense + expert).sqrt())
+
+
+class TorchAdamW:
+    """CPU path: AdamW over main_grad, global-norm clipping, LambdaLR schedule. Skips non-finite steps."""
+
+    def __init__(self, model, cfg: OptimizerConfig, tp_size: int):
+        self.cfg, self.tp_size = cfg, tp_size
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        norm = global_grad_norm(self.params, self.tp_size)
+        clip = self.cfg.grad_clip
+        if clip is not None and math.isfinite(norm) and norm > clip:
+            for p in self.params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        if math.isfinite(norm):  # a NaN/inf gradient skips the update instead of poisoning the weights
+            self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class MegatronDistributedAdam:
+    """GPU path: megatron-core's distributed optimizer (optimizer states sharded over data parallel).
+
+    Written against megatron-core's public get_megatron_optimizer; exercised only on GPU (tests
+    marked gpu). Checkpointing its sharded states goes through megatron's dist_checkpointing, which
+    is not wired up yet: state_dict raises instead of writing a partial checkpoint.
+    """
+
+    def __init__(self, model, cfg: OptimizerConfig, tp_size: int):
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.cfg, self._step = cfg, 0
+        self.optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+                adam_eps=cfg.eps, clip_grad=cfg.grad_clip or 0.0, use_distributed_optimizer=True, params_dtype=torch.float32,
+            ),
+            [model],
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * lr_factor(self.cfg, self._step)
+        _, grad_norm, _ = self.optimizer.step()
+        self._step += 1
+        return float(grad_norm) if grad_norm is not None else math.nan
+
+    @property
+    def lr(self) -> float:
+        return self.cfg.lr * lr_factor(self.cfg, max(0, self._step - 1))
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
+
+
+def build(model, cfg: OptimizerConfig, tp_size: int):
+    return MegatronDistributedAdam(model, cfg, tp_size) if torch.cuda.is_available() else TorchAdamW(model, cfg, tp_size)
