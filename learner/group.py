@@ -13,7 +13,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from learner import publish
+from learner.publish import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig
 from learner.learner import StepMetrics, TrainBatch
 from learner.worker import LearnerWorker
@@ -59,9 +59,17 @@ class LearnerGroup:
         outs = ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
         return torch.cat([outs[r * self.cfg.parallel.tensor].logp for r in range(dp)])
 
-    def publish(self, max_bytes: int = publish.DEFAULT_BUCKET_BYTES) -> publish.Publication:
+    def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Publication:
         results = ray.get([w.publish.remote(max_bytes) for w in self.workers])
         return results[0]
+
+    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
+        """Start the learner's side of a weight broadcast group of ``world_size`` (1 + engine ranks);
+        the engines join with ranks 1.. at the same time."""
+        ray.get([w.join_broadcast.remote(host, port, world_size) for w in self.workers])
+
+    def broadcast(self, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Publication:
+        return ray.get([w.broadcast.remote(max_bytes) for w in self.workers])[0]
 
     def save_checkpoint(self, folder: str) -> list[str]:
         return ray.get([w.save_checkpoint.remote(folder) for w in self.workers])

@@ -9,6 +9,7 @@ import ray
 import torch
 
 from learner import distributed, publish
+from learner.broadcast import WeightBroadcastGroup
 from learner.config import LearnerConfig
 from learner.learner import Learner, StepMetrics, TrainBatch
 from objectives.logprobs import TokenLogProbs
@@ -51,6 +52,25 @@ class LearnerWorker:
             refs.append(ray.put(bucket))
             nbytes += bucket.nbytes
         return publish.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
+
+    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the weight broadcast group with the engines (rank 0 of that group hosts it)."""
+        if self.rank == 0:
+            self._broadcast = WeightBroadcastGroup(host, port, 0, world_size)
+
+    def broadcast(self, max_bytes: int) -> publish.Publication | None:
+        """Send the current weights to the engines over the broadcast group (GPU: NCCL)."""
+        started = time.perf_counter()
+        named = self.learner.hf_named_tensors()
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return None
+        nbytes = 0
+        for bucket in publish.buckets(named, self.learner.version, max_bytes):
+            self._broadcast.send(bucket)
+            nbytes += bucket.nbytes
+        return publish.Publication(self.learner.version, [], nbytes, time.perf_counter() - started)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's current weights under HF names (tests and consumers check against it)."""

@@ -42,3 +42,18 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
     if rank == 0:
         torch.save(out, out_path)
     distributed.shutdown()
+
+
+def broadcast(rank: int, world: int, port: int, data_path: str, out_path: str) -> None:
+    """Rank 0 publishes the buckets in data_path over a WeightBroadcastGroup; rank 1 receives."""
+    from learner import publish
+    from learner.broadcast import WeightBroadcastGroup
+
+    data = torch.load(data_path, weights_only=True)
+    group = WeightBroadcastGroup("127.0.0.1", port, rank, world)
+    if rank == 0:
+        for bucket in publish.buckets(data["weights"].items(), version=data["version"], max_bytes=data["max_bytes"]):
+            group.send(bucket)
+    else:
+        version, merged = publish.assemble(group.receive_publication())
+        torch.save({"version": version, "weights": merged}, out_path)

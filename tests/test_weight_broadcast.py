@@ -1,0 +1,36 @@
+"""Weight buckets broadcast from a learner rank to an engine rank over a separate gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from learner.distributed import free_port
+from tests import distributed_cases
+
+
+def test_broadcast_group_delivers_every_tensor_bit_exactly(tmp_path):
+    torch.manual_seed(0)
+    weights = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2)).state_dict()
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.bfloat16)  # mixed dtypes travel too
+    data = tmp_path / "data.pt"
+    torch.save({"weights": weights, "version": 4, "max_bytes": 50_000}, data)
+    out = tmp_path / "out.pt"
+    mp.spawn(distributed_cases.broadcast, args=(2, free_port(), str(data), str(out)), nprocs=2, join=True)
+    got = torch.load(out, weights_only=True)
+    assert got["version"] == 4 and got["weights"].keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert got["weights"][name].dtype == tensor.dtype and torch.equal(got["weights"][name], tensor), name
+
+
+def test_only_rank_zero_sends():
+    from learner.broadcast import WeightBroadcastGroup
+    from learner.publish import WeightBucket
+
+    group = WeightBroadcastGroup.__new__(WeightBroadcastGroup)
+    group.rank = 1
+    with pytest.raises(RuntimeError, match="only rank 0"):
+        group.send(WeightBucket(0, 0, True, {}))
