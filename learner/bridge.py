@@ -18,6 +18,10 @@ Layout (local layer spec, RMSNorm), per layer i:
 and model.embed_tokens <-> embedding.word_embeddings, model.norm <-> decoder.final_layernorm,
 lm_head <-> output_layer (absent when embeddings are tied).
 
+MoE layers (Qwen3-MoE): mlp.gate <-> mlp.router, and per expert e mlp.experts.e.{gate,up,down}_proj
+<-> mlp.experts.local_experts.e.linear_fc1 ([gate; up]) / linear_fc2; expert parallelism assigns
+whole experts to ranks (expert_local_name).
+
 Tensor parallelism (rank r of t): column-parallel weights (linear_qkv, linear_fc1, embeddings,
 output layer) split by rows, with linear_qkv split by whole query groups and linear_fc1 as
 [gate_r; up_r]; row-parallel weights (linear_proj, linear_fc2) split by columns; norms replicated.
@@ -61,8 +65,12 @@ def _layer_pairs(arch: ModelArch, i: int) -> list[tuple[str, str]]:
         (hf + "input_layernorm.weight", mg + "input_layernorm.weight"),
         (hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight"),
         (hf + "post_attention_layernorm.weight", mg + "pre_mlp_layernorm.weight"),
-        (hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"),
     ]
+    if arch.num_experts:
+        pairs.append((hf + "mlp.gate.weight", mg + "mlp.router.weight"))
+        pairs += [(hf + f"mlp.experts.{e}.down_proj.weight", mg + f"mlp.experts.local_experts.{e}.linear_fc2.weight") for e in range(arch.num_experts)]
+    else:
+        pairs.append((hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"))
     if arch.qk_norm:
         pairs += [
             (hf + "self_attn.q_norm.weight", mg + "self_attention.q_layernorm.weight"),
@@ -78,9 +86,39 @@ def _global_pairs(arch: ModelArch) -> list[tuple[str, str]]:
     return pairs
 
 
+def _fc1_pairs(arch: ModelArch, i: int) -> list[tuple[str, str, str]]:
+    """(hf gate, hf up, megatron linear_fc1) names of layer i: one per expert on MoE layers."""
+    hf, mg = HF_LAYER.format(i=i) + "mlp.", MG_LAYER.format(i=i) + "mlp."
+    if not arch.num_experts:
+        return [(hf + "gate_proj.weight", hf + "up_proj.weight", mg + "linear_fc1.weight")]
+    return [
+        (hf + f"experts.{e}.gate_proj.weight", hf + f"experts.{e}.up_proj.weight", mg + f"experts.local_experts.{e}.linear_fc1.weight")
+        for e in range(arch.num_experts)
+    ]
+
+
+def unfuse_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5 keeps MoE experts fused in memory (experts.gate_up_proj [E, 2F, H],
+    experts.down_proj [E, H, F]); checkpoints on disk and vLLM use one tensor per expert. Returns
+    the per-expert form (a no-op on checkpoint-format dicts)."""
+    out = {}
+    for name, t in hf.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, fused in enumerate(t):
+                gate, up = torch.chunk(fused, 2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Full (unsharded) megatron state dict from a Hugging Face state dict."""
-    _require_dense(arch)
+    hf = unfuse_experts(hf)
     out: dict[str, torch.Tensor] = {}
     for hf_name, mg_name in _global_pairs(arch):
         out[mg_name] = _take(hf, hf_name)
@@ -96,14 +134,14 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, to
             out[mgp + "self_attention.linear_qkv.bias"] = _qkv_to_megatron(
                 _take(hf, attn + "q_proj.bias"), _take(hf, attn + "k_proj.bias"), _take(hf, attn + "v_proj.bias"), arch
             )
-        out[mgp + "mlp.linear_fc1.weight"] = torch.cat([_take(hf, hfp + "mlp.gate_proj.weight"), _take(hf, hfp + "mlp.up_proj.weight")])
+        for gate, up, fc1 in _fc1_pairs(arch, i):
+            out[fc1] = torch.cat([_take(hf, gate), _take(hf, up)])
     return out
 
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) pairs from a full megatron state dict, layer by layer (a generator, so
     weight publication can bucket without holding a second copy of the model)."""
-    _require_dense(arch)
     for hf_name, mg_name in _global_pairs(arch):
         yield hf_name, mg[mg_name]
     for i in range(arch.num_layers):
@@ -115,9 +153,10 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], arch: ModelArch) -> Iterator[tup
         if arch.qkv_bias:
             q, k, v = _qkv_from_megatron(mg[mgp + "self_attention.linear_qkv.bias"], arch)
             yield from ((hfp + f"self_attn.{n}_proj.bias", t) for n, t in zip("qkv", (q, k, v)))
-        gate, up = torch.chunk(mg[mgp + "mlp.linear_fc1.weight"], 2, dim=0)
-        yield hfp + "mlp.gate_proj.weight", gate
-        yield hfp + "mlp.up_proj.weight", up
+        for gate_name, up_name, fc1 in _fc1_pairs(arch, i):
+            gate, up = torch.chunk(mg[fc1], 2, dim=0)
+            yield gate_name, gate
+            yield up_name, up
 
 
 # ---- tensor-parallel sharding -----------------------------------------------------------------------
@@ -187,8 +226,3 @@ def _take(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in hf:
         raise KeyError(f"Hugging Face checkpoint has no tensor {name!r}")
     return hf[name]
-
-
-def _require_dense(arch: ModelArch) -> None:
-    if arch.num_experts:
-        raise NotImplementedError("the HF bridge covers dense models; MoE models are built from megatron weights")

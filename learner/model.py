@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from learner import cpu_shims
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class ModelArch:
     num_experts: int | None = None
     router_topk: int = 2
     moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    """Renormalize the top-k routing probabilities (softmax over the chosen experts' logits);
+    False takes them from a softmax over all experts, as Qwen3-MoE does unless configured."""
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArch":
@@ -58,6 +61,14 @@ class ModelArch:
         if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
             raise ValueError("rope scaling is not supported yet; the model's rope_type must be 'default'")
         heads = config["num_attention_heads"]
+        moe = {}
+        if model_type == "qwen3_moe":
+            if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+                raise ValueError("qwen3_moe models mixing dense and MoE layers (decoder_sparse_step, mlp_only_layers) are not supported")
+            moe = dict(
+                num_experts=config.get("num_experts") or config["num_local_experts"], router_topk=config["num_experts_per_tok"],
+                moe_intermediate_size=config["moe_intermediate_size"], norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            )
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -70,8 +81,9 @@ class ModelArch:
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
+            **moe,
         )
 
     @classmethod
@@ -93,6 +105,7 @@ def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_para
             moe_router_topk=arch.router_topk,
             moe_ffn_hidden_size=arch.moe_intermediate_size or arch.intermediate_size,
             moe_token_dispatcher_type="allgather",
+            moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
