@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of the objectives library. Prints ratios measured in one run.
 
-    .venv/bin/python benchmarks/objectives/run.py            # both benchmarks
-    .venv/bin/python benchmarks/objectives/run.py --only objectives --rounds 5
+    .venv/bin/python -m benchmarks.objectives.run            # both benchmarks (from the repo root)
+    .venv/bin/python -m benchmarks.objectives.run --only objectives --rounds 5
 
 1. Objective forward+backward (metrics included, as the learner runs it) on 64 x 4096 tokens:
    each objective against ppo_clip. Goal for drpo: <= 1.05x time and peak memory.
@@ -25,22 +25,13 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
-MMAP_THRESHOLD = "65536"
 
+from benchmarks.harness import peak_mib_since, reset_peak, run_worker  # noqa: E402
 
 # ---- worker side ---------------------------------------------------------------------------------
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _measure(fn, spec: dict) -> dict:
@@ -49,12 +40,10 @@ def _measure(fn, spec: dict) -> dict:
     ``single`` (for runs of minutes): no warm-up, and one call gives both peak MiB and seconds.
     """
     if spec.get("single"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _rss_kib("VmRSS")
+        before = reset_peak()
         t0 = time.perf_counter()
         fn()
-        return {"seconds": time.perf_counter() - t0, "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
+        return {"seconds": time.perf_counter() - t0, "peak_mib": peak_mib_since(before)}
     for _ in range(spec.get("warmup", 1)):
         fn()
     if spec["measure"] == "time":
@@ -64,11 +53,9 @@ def _measure(fn, spec: dict) -> dict:
             fn()
             times.append(time.perf_counter() - t0)
         return {"seconds": statistics.median(times)}
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss_kib("VmRSS")
+    before = reset_peak()
     fn()
-    return {"peak_mib": (_rss_kib("VmHWM") - before) / 1024}
+    return {"peak_mib": peak_mib_since(before)}
 
 
 def _objective_job(spec: dict) -> dict:
@@ -135,16 +122,7 @@ JOBS = {"objective": _objective_job, "logprobs": _logprob_job}
 
 
 def run_job(kind: str, spec: dict) -> dict:
-    env = dict(os.environ)
-    if spec["measure"] == "memory":
-        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", kind, json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        return {"error": f"worker exited {proc.returncode}: {tail[0][:160]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__name__ if __name__ != "__main__" else "benchmarks.objectives.run", kind, spec, mmap_threshold=spec["measure"] == "memory")
 
 
 def interleaved(kind: str, specs: dict[str, dict], rounds: int) -> dict[str, dict]:
