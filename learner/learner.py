@@ -50,6 +50,9 @@ class TrainBatch:
         if not torch.isfinite(torch.where(self.response_mask, self.rollout_logp, 0.0)).all():
             raise ValueError("TrainBatch.rollout_logp has NaN or inf at response tokens (bad engine output)")
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.response_mask, self.rollout_logp, self.advantages)))
+
     def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
         for s in range(0, self.input_ids.shape[0], size):
             yield TrainBatch(*(t[s : s + size] for t in (self.input_ids, self.response_mask, self.rollout_logp, self.advantages)))
@@ -109,6 +112,7 @@ class Learner:
         )
         self.model = DistributedDataParallel(module.config, ddp_config, module)
         self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size)
+        self.device = next(self.module.parameters()).device
         self.step_count = 0
         self.version = 0
 
@@ -151,6 +155,7 @@ class Learner:
 
     def token_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on."""
+        input_ids = input_ids.to(self.device)
         hidden = modeling.forward_hidden(self.module, input_ids)[:, :-1]
         out = logprobs_from_hidden(
             hidden, self._output_weight(), input_ids[:, 1:], self.cfg.temperature,
@@ -179,8 +184,8 @@ class Learner:
         normalizer, tokens = self._global_normalizer(batch)
         dp = self._dp_size()
         acc = MetricAccumulator()
-        total_loss = torch.zeros(())
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+        total_loss = torch.zeros((), device=self.device)
+        for mb in batch.to(self.device).micro_batches(self.cfg.micro_batch_size):
             stats = self.token_logprobs(mb.input_ids)
             out = objectives.compute(self.cfg.objective, objectives.ObjectiveInputs(stats.logp, mb.rollout_logp, mb.advantages, mb.response_mask))
             loss = objectives.aggregate(out.loss, mb.response_mask, self.cfg.aggregation.mode, normalizer, self.cfg.aggregation.horizon)
@@ -204,7 +209,7 @@ class Learner:
 
     def _global_normalizer(self, batch: TrainBatch) -> tuple[torch.Tensor, int]:
         mask = batch.response_mask
-        counts = torch.tensor([mask.sum(), (mask.sum(dim=1) > 0).sum()], dtype=torch.float64)
+        counts = torch.tensor([mask.sum(), (mask.sum(dim=1) > 0).sum()], dtype=torch.float64, device=self.device)
         if self._dp_size() > 1:
             dist.all_reduce(counts, group=self._dp_group())
         tokens = int(counts[0])

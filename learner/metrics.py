@@ -23,14 +23,15 @@ class MetricAccumulator:
         for key, m in metrics.items():
             name = prefix + key
             value = m.value.detach().double()
+            zero = torch.zeros((), dtype=torch.float64, device=value.device)  # accumulate where the metric lives
             if m.reduction in ("mean", "quantile"):
-                count = m.count.double() if m.count is not None else torch.ones((), dtype=torch.float64)
+                count = m.count.double() if m.count is not None else zero + 1
                 value = torch.nan_to_num(value) * count  # an empty micro-batch contributes nothing
-                acc = self._sums.setdefault(name, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
+                acc = self._sums.setdefault(name, [zero.clone(), zero.clone()])
                 acc[0] += value
                 acc[1] += count
             elif m.reduction == "sum":
-                acc = self._sums.setdefault(name, [torch.zeros((), dtype=torch.float64), None])
+                acc = self._sums.setdefault(name, [zero.clone(), None])
                 acc[0] += value
             elif m.reduction == "max":
                 self._max[name] = torch.maximum(self._max[name], value) if name in self._max else value
@@ -42,7 +43,8 @@ class MetricAccumulator:
     def reduce(self, group=None) -> dict[str, float]:
         """Final values; with a process group, combined across its ranks first."""
         names = sorted(self._sums)
-        packed = torch.stack([self._sums[n][0] for n in names] + [self._sums[n][1] if self._sums[n][1] is not None else torch.ones((), dtype=torch.float64) for n in names]) if names else torch.zeros(0, dtype=torch.float64)
+        weights = [self._sums[n][1] if self._sums[n][1] is not None else torch.ones_like(self._sums[n][0]) for n in names]
+        packed = torch.stack([self._sums[n][0] for n in names] + weights) if names else torch.zeros(0, dtype=torch.float64)
         hist_names = sorted(self._hist)
         hists = [self._hist[n] for n in hist_names]
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:

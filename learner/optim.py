@@ -35,10 +35,11 @@ def global_grad_norm(params, tp_size: int) -> float:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
+    device = params[0].grad.device if params else torch.device("cpu")
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    expert = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        sq = p.grad.double().pow(2).sum().cpu()
+        sq = p.grad.double().pow(2).sum()
         if not getattr(p, "allreduce", True):
             expert += sq
         elif param_is_not_tensor_parallel_duplicate(p):
