@@ -195,6 +195,13 @@ def expert_local_name(name: str, ep_rank: int, ep_size: int, num_experts: int) -
     return f"{head}{_LOCAL_EXPERT}{local}.{rest}" if owner == ep_rank else None
 
 
+def expert_global_name(local_name: str, ep_rank: int, ep_size: int, num_experts: int) -> str:
+    """Inverse of ``expert_local_name``: the full-model name of ``ep_rank``'s local expert tensor."""
+    head, tail = local_name.split(_LOCAL_EXPERT)
+    index, rest = tail.split(".", 1)
+    return f"{head}{_LOCAL_EXPERT}{ep_rank * (num_experts // ep_size) + int(index)}.{rest}"
+
+
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of ``shard`` given every rank's slice in rank order."""
     if len(parts) == 1:

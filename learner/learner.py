@@ -94,6 +94,12 @@ class _GatherVocabShards(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None, None, None
 
 
+def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
 class Learner:
     """One rank of a learner group."""
 
@@ -228,18 +234,25 @@ class Learner:
     # ---- weights out, checkpoints ------------------------------------------------------------------
 
     def full_megatron_state(self) -> dict[str, torch.Tensor]:
-        """Unsharded megatron-named weights (all-gathers tensor-parallel shards)."""
-        state = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-        if self.tp_size == 1:
-            return {k: v.detach() for k, v in state.items()}
+        """Unsharded megatron-named weights: tensor-parallel shards and expert-parallel experts
+        are all-gathered, experts renamed to their global index. Every rank must call it."""
         from megatron.core import parallel_state
 
-        group = parallel_state.get_tensor_model_parallel_group()
+        state = {k: v.detach() for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        if self.tp_size > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            state = {name: bridge.unshard(name, _all_gather(t, self.tp_size, group)) for name, t in state.items()}
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        if ep_size == 1:
+            return state
+        group = parallel_state.get_expert_model_parallel_group()
         full = {}
         for name, t in state.items():
-            parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-            dist.all_gather(parts, t.detach().contiguous(), group=group)
-            full[name] = bridge.unshard(name, parts)
+            if ".mlp.experts.local_experts." not in name:
+                full[name] = t
+                continue
+            for ep_rank, part in enumerate(_all_gather(t, ep_size, group)):
+                full[bridge.expert_global_name(name, ep_rank, ep_size, self.arch.num_experts)] = part
         return full
 
     def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -39,6 +39,7 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
         batch = TrainBatch(data["input_ids"][part], data["mask"][part], data["rollout_logp"][part], data["advantages"][part])
         metrics = learner.train_step(batch)
         out["loss"], out["grad_norm"], out["tokens"] = metrics.loss, metrics.grad_norm, metrics.tokens
+        out["weights"] = learner.full_megatron_state()  # every rank gathers; rank 0 writes
     if rank == 0:
         torch.save(out, out_path)
     distributed.shutdown()

@@ -86,17 +86,21 @@ def test_unsupported_configs_are_rejected_by_name():
         bridge.hf_to_megatron({"model.embed_tokens.weight": torch.zeros(96, 64), "model.norm.weight": torch.zeros(64), "lm_head.weight": torch.zeros(96, 64)}, arch)
 
 
-def test_qwen3_moe_matches_transformers_from_memory_and_from_disk(megatron_single_rank, tmp_path):
+def _tiny_qwen3_moe(norm_topk_prob: bool, layers: int, seed: int):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = Qwen3MoeConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_hidden_layers=2,
+        vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, attn_implementation="eager",
+        norm_topk_prob=norm_topk_prob, attn_implementation="eager",
     )
     hf_model = Qwen3MoeForCausalLM(config).eval()
-    arch = modeling.ModelArch.from_hf_config(hf_model.config.to_dict())
+    return hf_model, modeling.ModelArch.from_hf_config(hf_model.config.to_dict())
+
+
+def test_qwen3_moe_matches_transformers_from_memory_and_from_disk(megatron_single_rank, tmp_path):
+    hf_model, arch = _tiny_qwen3_moe(norm_topk_prob=True, layers=2, seed=0)
     assert (arch.num_experts, arch.router_topk, arch.qk_norm) == (4, 2, True)
     input_ids = torch.randint(0, 96, (2, 13))
     with torch.no_grad():
@@ -112,16 +116,8 @@ def test_qwen3_moe_matches_transformers_from_memory_and_from_disk(megatron_singl
 
 
 def test_qwen3_moe_without_topk_renormalization_matches_too(megatron_single_rank):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(1)
-    config = Qwen3MoeConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=False, attn_implementation="eager",
-    )
-    hf_model = Qwen3MoeForCausalLM(config).eval()
-    arch = modeling.ModelArch.from_hf_config(hf_model.config.to_dict())
+    hf_model, arch = _tiny_qwen3_moe(norm_topk_prob=False, layers=1, seed=1)
+    assert arch.norm_topk_prob is False
     input_ids = torch.randint(0, 96, (2, 9))
     with torch.no_grad():
         ref = hf_model(input_ids).logits

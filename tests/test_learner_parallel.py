@@ -83,3 +83,7 @@ def test_moe_expert_parallel_2_gives_the_same_loss_and_grad_norm_as_1(tmp_path):
     assert two["tokens"] == one["tokens"] == 48
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    # after the step, the gathered expert-parallel weights (experts under global names) match
+    assert two["weights"].keys() == one["weights"].keys()
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, atol=1e-6, rtol=1e-5)
