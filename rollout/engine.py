@@ -1,0 +1,82 @@
+"""The inference-engine interface every rollout backend implements (hf, vllm, sglang).
+
+An engine samples n completions per prompt and reports, for every sampled token, the behaviour
+log-prob mu of that token under the distribution it was *actually sampled from* (temperature
+applied, no top-p/top-k truncation, so it is log softmax(logits / T)), optional top-K log-probs of
+that same distribution, and the policy version of the weights that produced it. Weights arrive as
+HF-named ``WeightBucket``s with a new version and may be swapped while requests are in flight: a
+response that spans an update carries both versions, token by token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+
+from learner.publish import WeightBucket
+
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt (a group)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    topk_logprobs: int = 0
+    """Also return the K most likely tokens' log-probs at every step (0 = off)."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got n={self.n}, max_new_tokens={self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy decoding has no behaviour distribution), got {self.temperature}")
+        if self.topk_logprobs < 0:
+            raise ValueError(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response. Per-token tensors are [L] (or [L, K]) for the L response tokens."""
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    rollout_logp: torch.Tensor
+    """fp32 log mu(y_t | prefix) of each sampled token (temperature applied)."""
+    versions: torch.Tensor
+    """int64 policy version of the weights that sampled each token."""
+    finish_reason: Literal["stop", "length"]
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
+
+
+class Engine(ABC):
+    """A rollout backend. ``version`` is the policy version of the weights currently served."""
+
+    version: int
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt (token ids), in prompt order."""
+
+    @abstractmethod
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Load a publication (HF names); the new weights serve from the next decoding step on."""
+
+    def pause(self) -> None:  # backends without a scheduler need nothing
+        """Stop scheduling new decoding steps until ``resume`` (requests stay in flight)."""
+
+    def resume(self) -> None:
+        """Resume after ``pause``."""
+
+
+def fake_quantize_fp8(t: torch.Tensor) -> torch.Tensor:
+    """Weights through float8_e4m3fn and back with a per-tensor scale: the CPU stand-in for an fp8
+    engine, to create real training-inference mismatch. Scale maps the max |w| to e4m3's max 448."""
+    scale = t.abs().max().clamp_min(1e-12) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale

@@ -1,0 +1,151 @@
+"""The ``hf`` engine: plain transformers with a KV cache and batched sampling. The light default.
+
+Log-probs are *processed*: log softmax(logits / T) of the full vocabulary, exactly the distribution
+each token is sampled from (no top-p/top-k truncation). Prompts are left-padded into one batch of
+len(prompts) * n rows; finished rows keep decoding padding until every row stops, and their extra
+tokens are dropped.
+
+Weight updates are staged bucket by bucket and swapped in between two decoding steps, under a lock,
+when the publication's last bucket arrives; the KV cache of tokens already decoded is kept (as
+vLLM's in-flight updates do), so a response spanning an update records the old version for its
+earlier tokens and the new one after.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+import torch
+
+from learner.publish import WeightBucket
+from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8
+
+
+class HFEngine(Engine):
+    def __init__(self, model_folder: str, precision: Precision = "fp32", version: int = 0, num_threads: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.precision = precision
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=dtype, attn_implementation="eager").eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        if precision == "fp8":
+            self._load({k: v for k, v in self.model.state_dict().items()})
+        self.version = version
+        self._lock = threading.Lock()
+        self._staged: dict[str, torch.Tensor] = {}
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._running = threading.Event()
+        self._running.set()
+
+    def _eos_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id]
+        return [int(e) for e in eos if e is not None]
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        for bucket in buckets:
+            self._staged.update(bucket.tensors)
+            if bucket.last:
+                with self._lock:
+                    self._pending = (bucket.version, self._staged)
+                self._staged = {}
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            version, tensors = pending
+            self._load(tensors)
+            self.version = version
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise KeyError(f"weight update names tensors the model does not have: {unknown[:5]}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                t = fake_quantize_fp8(t.float()) if self.precision == "fp8" and t.dim() >= 2 else t
+                own[name].copy_(t.to(own[name].dtype))
+            if self.model.config.tie_word_embeddings:
+                self.model.tie_weights()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn chat prompt with the generation prompt appended."""
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, on_step: Callable[[int], None] | None = None
+    ) -> list[list[Completion]]:
+        """See Engine.generate. ``on_step(step)`` runs before each decoding step (tests, heartbeats)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self._apply_pending()
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        tokens, logps, versions, tops = [], [], [], []
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        past, step_input = None, ids
+        for step in range(params.max_new_tokens):
+            if on_step is not None:
+                on_step(step)
+            self._running.wait()
+            self._apply_pending()
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_input.shape[1]:]
+            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logp = torch.log_softmax(out.logits[:, -1].float() / params.temperature, dim=-1)
+            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            tokens.append(token)
+            logps.append(logp.gather(1, token[:, None]).squeeze(1))
+            versions.append(torch.full_like(token, self.version))
+            if params.topk_logprobs:
+                tops.append(torch.topk(logp, params.topk_logprobs, dim=-1))
+            done |= torch.isin(token, torch.tensor(self.eos_ids))
+            if done.all():
+                break
+            step_input = token[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return self._package(prompts, params, rows, tokens, logps, versions, tops)
+
+    def _package(self, prompts, params, rows, tokens, logps, versions, tops) -> list[list[Completion]]:
+        tokens, logps, versions = torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(versions, 1)
+        eos = torch.tensor(self.eos_ids)
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for i, row in enumerate(rows):
+            hits = torch.isin(tokens[i], eos).nonzero()
+            length = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
+            out[i // params.n].append(
+                Completion(
+                    prompt_ids=torch.tensor(row),
+                    response_ids=tokens[i, :length].clone(),
+                    rollout_logp=logps[i, :length].clone(),
+                    versions=versions[i, :length].clone(),
+                    finish_reason="stop" if len(hits) else "length",
+                    topk_ids=torch.stack([t.indices[i] for t in tops[:length]]) if tops else None,
+                    topk_logp=torch.stack([t.values[i] for t in tops[:length]]) if tops else None,
+                )
+            )
+        return out

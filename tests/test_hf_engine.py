@@ -1,0 +1,108 @@
+"""The hf engine on the real SmolLM2: mu, top-K, weight updates in flight, precision gaps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner import publish
+from rollout.engine import SamplingParams
+from rollout.hf_engine import HFEngine
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["Ben has 4 apples. He gets 3 more. How many apples does Ben have now?", "Name a color."]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_folder):
+    return HFEngine(str(smollm2_folder))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_folder):
+    return AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _recompute(model, completion, temperature):
+    ids = torch.cat([completion.prompt_ids, completion.response_ids])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    start = len(completion.prompt_ids)
+    return logp[start - 1 : -1].gather(-1, completion.response_ids[:, None]).squeeze(-1)
+
+
+def _gap(engine, reference, temperature=0.8):
+    prompts = [engine.chat_prompt(p) for p in PROMPTS]
+    groups = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=temperature, seed=0))
+    return torch.cat([(c.rollout_logp - _recompute(reference, c, temperature)) for g in groups for c in g]), groups
+
+
+def test_mu_equals_a_transformers_recomputation_in_fp32(engine, reference):
+    gap, groups = _gap(engine, reference)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups)
+    assert gap.abs().max().item() <= 1e-3
+    for c in (c for g in groups for c in g):
+        assert c.rollout_logp.dtype == torch.float32 and (c.rollout_logp <= 0).all()
+        assert c.finish_reason in ("stop", "length") and (c.versions == 0).all()
+        assert len(c.response_ids) == len(c.rollout_logp) == len(c.versions)
+
+
+def test_topk_logprobs_contain_the_sampled_token_and_sum_to_at_most_one(engine):
+    prompts = [engine.chat_prompt(p) for p in PROMPTS]
+    groups = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=10, temperature=1.0, topk_logprobs=5, seed=3))
+    for c in (g[0] for g in groups):
+        assert c.topk_ids.shape == (len(c.response_ids), 5)
+        assert (c.topk_logp.exp().sum(-1) <= 1 + 1e-5).all()
+        # the sampled token is in the top-K or less likely than every one of them
+        in_topk = (c.topk_ids == c.response_ids[:, None]).any(-1)
+        assert (in_topk | (c.rollout_logp <= c.topk_logp[:, -1])).all()
+
+
+def _perturbed_publication(engine, version, scale=0.05):
+    g = torch.Generator().manual_seed(version)
+    state = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) for k, v in engine.model.state_dict().items() if k.endswith("mlp.down_proj.weight")}
+    return list(publish.buckets(state.items(), version=version, max_bytes=8 * 2**20))
+
+
+def test_weight_update_changes_outputs_and_version(smollm2_folder):
+    engine = HFEngine(str(smollm2_folder))
+    prompt = [engine.chat_prompt(PROMPTS[0])]
+    params = SamplingParams(n=1, max_new_tokens=8, temperature=1.0, seed=11)
+    before = engine.generate(prompt, params)[0][0]
+    engine.update_weights(_perturbed_publication(engine, version=5))
+    after = engine.generate(prompt, params)[0][0]
+    assert engine.version == 5 and (after.versions == 5).all()
+    assert not torch.equal(before.rollout_logp[:1], after.rollout_logp[:1])  # same first token context, new weights
+    with pytest.raises(KeyError, match="does not have"):
+        engine.update_weights([publish.WeightBucket(6, 0, True, {"not.a.weight": torch.zeros(1)})])
+        engine.generate(prompt, params)
+
+
+def test_request_in_flight_across_an_update_records_both_versions(smollm2_folder):
+    engine = HFEngine(str(smollm2_folder))
+    publication = _perturbed_publication(engine, version=1)
+
+    def on_step(step):
+        if step == 3:  # the learner publishes while the request is decoding
+            engine.update_weights(publication)
+
+    prompt = [engine.chat_prompt("Write a long story about a dragon.")]
+    c = engine.generate(prompt, SamplingParams(n=1, max_new_tokens=10, temperature=1.0, seed=2), on_step=on_step)[0][0]
+    assert len(c.response_ids) == 10 and c.finish_reason == "length"
+    assert c.versions.tolist() == [0, 0, 0] + [1] * 7
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_low_precision_engines_report_their_numerics_gap(smollm2_folder, reference, precision, record_property, capsys):
+    """The lag-0 numerics gap of a bf16 / fake-fp8 engine against the fp32 learner view: reported,
+    not asserted away. What is asserted: it is finite and larger than fp32's."""
+    gap, _ = _gap(HFEngine(str(smollm2_folder), precision=precision), reference)
+    shift = (gap.exp() - 1).abs()  # |mu/pi - 1|
+    stats = {"mean_abs_logp_gap": gap.abs().mean().item(), "max_abs_logp_gap": gap.abs().max().item(), "p90_ratio_shift": shift.quantile(0.9).item()}
+    record_property(f"{precision}_gap", stats)
+    with capsys.disabled():
+        print(f"\n[{precision} engine numerics gap vs fp32] {stats}")
+    assert torch.isfinite(gap).all()
+    assert stats["max_abs_logp_gap"] > 1e-3

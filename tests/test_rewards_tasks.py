@@ -1,0 +1,94 @@
+"""Rewards and tasks: extraction, literal-only comparison, time bounds, dataset rows."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rollout.rewards import LiteralNumberReward, MathVerifyReward, extract_answer, is_literal
+from rollout.tasks import arithmetic_split, load_dataset
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so the total is \\boxed{42}.", "42"),
+        ("first 3 then \\boxed{\\frac{1}{2}} and 9 more", "\\frac{1}{2}"),
+        ("Tom has 4 + 3 = 7 apples", "7"),
+        ("The answer is -1,234.5", "-1,234.5"),
+        ("no digits here", None),
+        ("unclosed \\boxed{12", "12"),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_literal_number_reward_scores_each_kind_of_answer():
+    reward = LiteralNumberReward()
+    assert reward("I think it is \\boxed{189}", "189").reason == "correct"
+    assert reward("4 + 3 = 7", "7").score == 1.0  # plain final number
+    assert reward("half: \\boxed{\\frac{1}{2}}", "0.5").score == 1.0  # fraction vs decimal, exactly
+    assert reward("it is 3/4", "0.75").score == 1.0
+    assert reward("\\boxed{188}", "189").reason == "wrong"
+    assert reward("\\boxed{7 * 27}", "189").reason == "not_literal"  # an expression computes nothing
+    assert reward("\u2603\x00garbage", "5").reason == "no_answer"
+    assert reward("1,000 apples", "1000").score == 1.0
+
+
+def test_math_verify_reward_is_literal_only_correct_and_time_bounded():
+    reward = MathVerifyReward(timeout_s=60.0)
+    try:
+        assert reward("so \\boxed{\\frac{1}{2}}", "0.5").reason == "correct"
+        assert reward("\\boxed{7 * 27}", "189").reason == "not_literal"
+        assert reward("\\boxed{190}", "189").reason == "wrong"
+        started = time.perf_counter()
+        assert reward("x" * 1_000_000 + " 12", "12").score == 1.0  # a megabyte of garbage stays linear
+        assert time.perf_counter() - started < 10
+        reward.timeout_s = 0.0  # no time at all: the verifier is killed and the call still returns
+        started = time.perf_counter()
+        assert reward("\\boxed{3}", "3").reason == "timeout"
+        assert time.perf_counter() - started < 6
+        reward.timeout_s = 60.0  # and the next call gets a fresh verifier
+        assert reward("\\boxed{3}", "3").reason == "correct"
+    finally:
+        reward.close()
+
+
+def test_literals():
+    assert is_literal("12") and is_literal("-3.5") and is_literal("1,234") and is_literal("\\frac{3}{4}") and is_literal("3/4")
+    assert not is_literal("7*27") and not is_literal("x+1") and not is_literal("\\sqrt{2}")
+
+
+def test_arithmetic_task_is_seeded_with_a_disjoint_held_out_split():
+    train, again, test = arithmetic_split("train", 50), arithmetic_split("train", 50), arithmetic_split("test", 50)
+    assert train == again
+    assert {p.id for p in train}.isdisjoint({p.id for p in test})
+    assert [p.prompt for p in train] != [p.prompt for p in test]
+    reward = LiteralNumberReward()
+    assert all(reward(f"\\boxed{{{p.ground_truth}}}", p.ground_truth).score == 1.0 for p in train)
+    with pytest.raises(ValueError, match="split"):
+        arithmetic_split("validation", 3)
+
+
+def test_dataset_loader_skips_bad_rows_and_reports_them_by_number(tmp_path):
+    rows = [
+        {"prompt": [{"role": "user", "content": "What is 1+1?"}], "reward_model": {"ground_truth": "2"}},
+        "not json at all",
+        {"prompt": "What is 2+2?"},
+        {"problem": "", "answer": "3"},
+        {"question": "x" * 100, "answer": "5"},
+        {"problem": "What is 3+3?", "solution": "6", "id": "p6"},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    report = load_dataset(path, max_prompt_chars=50)
+    assert [(p.prompt, p.ground_truth) for p in report.problems] == [("What is 1+1?", "2"), ("What is 3+3?", "6")]
+    assert report.problems[1].id == "p6"
+    assert [n for n, _ in report.skipped] == [2, 3, 4, 5]
+    assert "not JSON" in report.skipped[0][1] and "ground truth" in report.skipped[1][1] and "50" in report.skipped[3][1]
+    (tmp_path / "bad.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_dataset(tmp_path / "bad.jsonl")
