@@ -13,6 +13,7 @@ earlier tokens and the new one after.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Callable, Iterable
 
@@ -33,6 +34,8 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=dtype, attn_implementation="eager").eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
         self.eos_ids = self._eos_ids()
+        # transformers renamed past_key_values to cache (the old name goes in 5.40); support both
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         if precision == "fp8":
             self._load({k: v for k, v in self.model.state_dict().items()})
@@ -113,8 +116,8 @@ class HFEngine(Engine):
             self._running.wait()
             self._apply_pending()
             positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_input.shape[1]:]
-            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
+            past = getattr(out, self._cache_arg)
             logp = torch.log_softmax(out.logits[:, -1].float() / params.temperature, dim=-1)
             token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)

@@ -92,3 +92,17 @@ def test_dataset_loader_skips_bad_rows_and_reports_them_by_number(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="no usable rows"):
         load_dataset(tmp_path / "bad.jsonl")
+
+
+def test_dataset_loader_reads_dapo_style_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([
+        {"prompt": [{"role": "user", "content": "Compute 6*7."}], "reward_model": {"ground_truth": "42"}},
+        {"prompt": [{"role": "system", "content": "no user turn"}], "reward_model": {"ground_truth": "1"}},
+    ])
+    pq.write_table(table, tmp_path / "dapo.parquet")
+    report = load_dataset(tmp_path / "dapo.parquet")
+    assert [(p.prompt, p.ground_truth) for p in report.problems] == [("Compute 6*7.", "42")]
+    assert report.skipped == [(2, "no prompt (expected a non-empty 'prompt', 'problem' or 'question')")]

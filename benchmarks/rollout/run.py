@@ -1,0 +1,81 @@
+"""Rollout benchmarks (from the repo root):
+
+    .venv/bin/python -m benchmarks.rollout.run [--rounds 2]
+
+Generation tokens/s of SmolLM2-135M with the hf engine on the same prompts (n = 8, 128 new
+tokens, temperature 1) in fp32 and bf16, and the weight-update latency of a full SmolLM2
+publication (stage + swap). The vLLM-cpu engine is not built yet, so the issue's hf-vs-vLLM ratio
+is not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from benchmarks.harness import run_worker
+
+N, NEW_TOKENS = 8, 128
+PROMPTS = [
+    "Ben has 4 apples. He gets 3 more. How many apples does Ben have now? Reply with only the number.",
+    "Write a short story about a dragon who learns to cook.",
+]
+
+
+def _job(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    from learner import publish
+    from rollout.engine import SamplingParams
+    from rollout.hf_engine import HFEngine
+    from rollout.offline_model import materialize_smollm2
+
+    engine = HFEngine(str(materialize_smollm2()), precision=spec["precision"])
+    prompts = [engine.chat_prompt(p) for p in PROMPTS]
+    params = SamplingParams(n=N, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+    engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.response_ids) for g in groups for c in g)
+    state = engine.model.state_dict()
+    buckets = list(publish.buckets(((k, v.float().clone()) for k, v in state.items()), version=1))
+    t0 = time.perf_counter()
+    engine.update_weights(buckets)
+    engine._apply_pending()  # the swap normally happens at the next decoding step; time it here
+    update_s = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "update_s": update_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_job(json.loads(args.worker[1]))))
+        return 0
+    runs = {"hf fp32": [], "hf bf16": []}
+    for _ in range(args.rounds):
+        for label in runs:
+            runs[label].append(run_worker("benchmarks.rollout.run", "generate", {"precision": label.split()[1]}))
+    print(f"Generation, SmolLM2-135M, {len(PROMPTS)} prompts x n={N} x <= {NEW_TOKENS} new tokens; median of {args.rounds} interleaved rounds")
+    base = None
+    for label, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            print(f"  {label:10s} {rs[-1]['error']}")
+            continue
+        tps = statistics.median(r["tokens_per_s"] for r in ok)
+        upd = statistics.median(r["update_s"] for r in ok)
+        base = base or tps
+        print(f"  {label:10s} {tps:7.1f} tokens/s (x{tps / base:.2f})   full weight update {upd:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
