@@ -82,15 +82,23 @@ def literal_value(answer: str) -> Fraction:
     return Fraction(s)
 
 
+def _literal_or_rejection(completion: str) -> tuple[str, RewardResult | None]:
+    """The extracted literal answer, or the zero-score result that rejects the completion."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return "", RewardResult(0.0, None, "no_answer")
+    if not is_literal(answer):
+        return answer, RewardResult(0.0, answer, "not_literal")
+    return answer, None
+
+
 class LiteralNumberReward:
     """Exact comparison of the extracted literal with a numeric ground truth (the arithmetic task)."""
 
     def __call__(self, completion: str, ground_truth: str) -> RewardResult:
-        answer = extract_answer(completion)
-        if answer is None:
-            return RewardResult(0.0, None, "no_answer")
-        if not is_literal(answer):
-            return RewardResult(0.0, answer, "not_literal")
+        answer, rejected = _literal_or_rejection(completion)
+        if rejected is not None:
+            return rejected
         try:
             correct = literal_value(answer) == literal_value(ground_truth)
         except (ValueError, ZeroDivisionError):
@@ -145,11 +153,9 @@ class MathVerifyReward:
             self._kill()
 
     def __call__(self, completion: str, ground_truth: str) -> RewardResult:
-        answer = extract_answer(completion)
-        if answer is None:
-            return RewardResult(0.0, None, "no_answer")
-        if not is_literal(answer):
-            return RewardResult(0.0, answer, "not_literal")
+        answer, rejected = _literal_or_rejection(completion)
+        if rejected is not None:
+            return rejected
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()

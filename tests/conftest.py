@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -56,3 +57,14 @@ def smollm2_folder():
     from rollout.offline_model import materialize_smollm2
 
     return materialize_smollm2()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray cluster on loopback (2 CPUs), per test module."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

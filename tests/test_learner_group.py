@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -15,16 +13,6 @@ from learner.learner import TrainBatch
 pytestmark = pytest.mark.ray
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

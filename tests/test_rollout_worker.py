@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -11,16 +9,6 @@ from learner import publish
 from rollout.tasks import Problem, arithmetic_split
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm2_folder):
