@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from typing import Iterable
 
 import torch
@@ -69,6 +70,9 @@ class VLLMEngine(Engine):
         self.version = version
         self._staged: dict[str, torch.Tensor] = {}
         self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")
+        # LLM is not thread-safe: a RolloutWorker's update (actor thread) waits for the running
+        # generate call (generation thread) to finish, so no request is dropped.
+        self._lock = threading.Lock()
         if precision == "fp8" and not on_gpu:
             from learner.bridge import load_hf_state_dict
 
@@ -89,10 +93,12 @@ class VLLMEngine(Engine):
             n=params.n, temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
             logprobs=params.topk_logprobs, seed=params.seed,
         )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
-        return [[self._completion(p, o, params.topk_logprobs) for o in out.outputs] for p, out in zip(prompts, outputs)]
+        with self._lock:
+            version = self.version
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+        return [[self._completion(p, o, params.topk_logprobs, version) for o in out.outputs] for p, out in zip(prompts, outputs)]
 
-    def _completion(self, prompt: list[int], out, k: int) -> Completion:
+    def _completion(self, prompt: list[int], out, k: int, version: int) -> Completion:
         ids = list(out.token_ids)
         if out.logprobs is None or len(out.logprobs) != len(ids):
             raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-prob entries for {len(ids)} tokens")
@@ -106,7 +112,7 @@ class VLLMEngine(Engine):
             top_logp = torch.tensor([[lp for _, _, lp in r] for r in ranked], dtype=torch.float32)
         return Completion(
             prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(ids, dtype=torch.long), rollout_logp=logp,
-            versions=torch.full((len(ids),), self.version, dtype=torch.long),
+            versions=torch.full((len(ids),), version, dtype=torch.long),
             finish_reason="stop" if out.finish_reason == "stop" else "length", topk_ids=top_ids, topk_logp=top_logp,
         )
 
@@ -115,16 +121,19 @@ class VLLMEngine(Engine):
             self._staged.update(bucket.tensors)
             if bucket.last:
                 staged, self._staged = self._staged, {}
-                self._load(staged)
-                self.version = bucket.version
+                self._load(staged, bucket.version)
 
-    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _load(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Load ``tensors`` into every vLLM worker; the version changes under the same lock."""
         from safetensors.torch import save_file
 
         path = os.path.join(self._tmp, "update.safetensors")
         save_file({k: v.contiguous() for k, v in tensors.items()}, path)
         try:
-            self.llm.collective_rpc("drpo_load_weights_file", args=(path,))
+            with self._lock:
+                self.llm.collective_rpc("drpo_load_weights_file", args=(path,))
+                if version is not None:
+                    self.version = version
         finally:
             os.remove(path)
 
