@@ -59,6 +59,18 @@ class Engine(ABC):
     """A rollout backend. ``version`` is the policy version of the weights currently served."""
 
     version: int
+    tokenizer: object
+    """A Hugging Face tokenizer of the served model."""
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn chat prompt with the generation prompt appended."""
+        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    @staticmethod
+    def check_prompts(prompts: list[list[int]]) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -89,18 +89,13 @@ class HFEngine(Engine):
 
     # ---- generation ---------------------------------------------------------------------------------
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        """Token ids of a one-turn chat prompt with the generation prompt appended."""
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, on_step: Callable[[int], None] | None = None
     ) -> list[list[Completion]]:
         """See Engine.generate. ``on_step(step)`` runs before each decoding step (tests, heartbeats)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self.check_prompts(prompts)
         self._apply_pending()
         rows = [list(p) for p in prompts for _ in range(params.n)]
         width = max(len(r) for r in rows)

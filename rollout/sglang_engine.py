@@ -45,13 +45,9 @@ class SGLangEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
         self.version = version
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self.check_prompts(prompts)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         sampling = {"temperature": params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
         if params.seed is not None:

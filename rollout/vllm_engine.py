@@ -79,16 +79,12 @@ class VLLMEngine(Engine):
             state = {k: fake_quantize_fp8(v.float()) if v.dim() >= 2 else v for k, v in load_hf_state_dict(model_folder).items()}
             self._load(state)
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self.check_prompts(prompts)
         sampling = VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
             logprobs=params.topk_logprobs, seed=params.seed,
