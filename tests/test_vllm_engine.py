@@ -20,7 +20,8 @@ PROMPTS = ["Ben has 4 apples. He gets 3 more. How many apples does Ben have now?
 def engine(smollm2_folder):
     from rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512)
+    # chunks of 5 tokens: responses of 12 tokens are continued across chunk boundaries
+    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512, chunk_tokens=5)
     yield eng
     eng.close()
 
@@ -63,3 +64,21 @@ def test_vllm_weight_update_changes_outputs_and_version(engine, reference):
     # the updated engine still agrees with transformers holding the same updated weights
     reference.load_state_dict(state, strict=False)
     assert (after.rollout_logp - _recompute(reference, after, 1.0)).abs().max().item() <= 1e-3
+
+
+def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, reference):
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith("mlp.up_proj.weight")}
+    publication = list(publish.buckets(state.items(), version=engine.version + 1))
+    old = engine.version
+
+    def on_chunk(i):
+        if i == 1:  # the learner publishes after the first 5 tokens
+            engine.update_weights(publication)
+
+    prompt = [engine.chat_prompt("Write a long story about a dragon.")]
+    (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3), on_chunk=on_chunk)
+    for c in group:
+        assert len(c.response_ids) == 12 and c.finish_reason == "length"
+        assert c.versions.tolist() == [old] * 5 + [old + 1] * 7
+    assert not torch.equal(group[0].response_ids, group[1].response_ids)  # n samples are independent
