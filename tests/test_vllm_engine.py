@@ -82,3 +82,23 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
         assert len(c.response_ids) == 12 and c.finish_reason == "length"
         assert c.versions.tolist() == [old] * 5 + [old + 1] * 7
     assert not torch.equal(group[0].response_ids, group[1].response_ids)  # n samples are independent
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_vllm_low_precision_numerics_gap_is_reported(smollm2_folder, reference, precision, record_property, capsys):
+    """bf16 and fp8 (fake-quantized on CPU) vLLM against the fp32 learner view: reported, not asserted away."""
+    from rollout.vllm_engine import VLLMEngine
+
+    fresh = AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    eng = VLLMEngine(str(smollm2_folder), precision=precision, max_model_len=512)
+    try:
+        prompts = [eng.chat_prompt(p) for p in PROMPTS]
+        groups = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, seed=0))
+    finally:
+        eng.close()
+    gap = torch.cat([c.rollout_logp - _recompute(fresh, c, 0.8) for g in groups for c in g])
+    stats = {"mean_abs_logp_gap": gap.abs().mean().item(), "max_abs_logp_gap": gap.abs().max().item()}
+    record_property(f"vllm_{precision}_gap", stats)
+    with capsys.disabled():
+        print(f"\n[vllm {precision} numerics gap vs fp32] {stats}")
+    assert torch.isfinite(gap).all() and stats["max_abs_logp_gap"] > 1e-3
