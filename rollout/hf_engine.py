@@ -89,7 +89,6 @@ class HFEngine(Engine):
 
     # ---- generation ---------------------------------------------------------------------------------
 
-
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, on_step: Callable[[int], None] | None = None

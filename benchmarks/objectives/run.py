@@ -27,8 +27,7 @@ import statistics
 import sys
 import time
 
-
-from benchmarks.harness import peak_mib_since, reset_peak, run_worker  # noqa: E402
+from benchmarks.harness import peak_mib_since, reset_peak, run_worker
 
 # ---- worker side ---------------------------------------------------------------------------------
 
