@@ -49,3 +49,19 @@ def run_worker(module: str, kind: str, spec: dict, mmap_threshold: bool = False)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         return {"error": f"worker exited {proc.returncode}: {tail[0][:160]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interleaved_medians(module: str, kind: str, specs: dict[str, dict], rounds: int, keys: tuple[str, ...]) -> dict[str, dict]:
+    """Run every spec once per round, in turn, each in a fresh process; per label, the median of
+    ``keys`` over its successful runs, or {"error": ...} when none succeeded."""
+    import statistics
+
+    runs: dict[str, list[dict]] = {label: [] for label in specs}
+    for _ in range(rounds):
+        for label, spec in specs.items():
+            runs[label].append(run_worker(module, kind, spec))
+    out = {}
+    for label, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        out[label] = {k: statistics.median(r[k] for r in ok) for k in keys} if ok else {"error": rs[-1]["error"]}
+    return out

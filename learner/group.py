@@ -48,7 +48,7 @@ class LearnerGroup:
         if n % dp:
             raise ValueError(f"batch of {n} sequences does not split over {dp} data-parallel ranks")
         size = n // dp
-        parts = [TrainBatch(*(t[r * size : (r + 1) * size] for t in (batch.input_ids, batch.response_mask, batch.rollout_logp, batch.advantages))) for r in range(dp)]
+        parts = [batch.map(lambda t, r=r: t[r * size : (r + 1) * size]) for r in range(dp)]
         results = ray.get([w.train_step.remote(parts[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
         return results[0]
 

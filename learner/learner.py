@@ -50,12 +50,16 @@ class TrainBatch:
         if not torch.isfinite(torch.where(self.response_mask, self.rollout_logp, 0.0)).all():
             raise ValueError("TrainBatch.rollout_logp has NaN or inf at response tokens (bad engine output)")
 
+    def map(self, fn) -> "TrainBatch":
+        """A TrainBatch of ``fn`` applied to each of the four tensors (slicing, device moves)."""
+        return TrainBatch(fn(self.input_ids), fn(self.response_mask), fn(self.rollout_logp), fn(self.advantages))
+
     def to(self, device: torch.device) -> "TrainBatch":
-        return TrainBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.response_mask, self.rollout_logp, self.advantages)))
+        return self.map(lambda t: t.to(device, non_blocking=True))
 
     def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
         for s in range(0, self.input_ids.shape[0], size):
-            yield TrainBatch(*(t[s : s + size] for t in (self.input_ids, self.response_mask, self.rollout_logp, self.advantages)))
+            yield self.map(lambda t: t[s : s + size])
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ class Learner:
         are all-gathered, experts renamed to their global index. Every rank must call it."""
         from megatron.core import parallel_state
 
-        state = {k: v.detach() for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        state = self._own_tensors()
         if self.tp_size > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             state = {name: bridge.unshard(name, _all_gather(t, self.tp_size, group)) for name, t in state.items()}
@@ -254,6 +258,10 @@ class Learner:
             for ep_rank, part in enumerate(_all_gather(t, ep_size, group)):
                 full[bridge.expert_global_name(name, ep_rank, ep_size, self.arch.num_experts)] = part
         return full
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's model tensors, without megatron's _extra_state entries."""
+        return {k: v.detach() for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
     def hf_named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights under Hugging Face names, for rollout engines."""
@@ -274,10 +282,9 @@ class Learner:
         return {"arch": self.arch.__dict__, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
     def _checkpoint_state(self) -> dict:
-        model_state = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         return {
             "meta": self._checkpoint_meta(),
-            "model": model_state,
+            "model": self._own_tensors(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step_count,
             "version": self.version,

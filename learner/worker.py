@@ -39,19 +39,26 @@ class LearnerWorker:
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return self.learner.compute_logprobs(input_ids)
 
-    def publish(self, max_bytes: int) -> publish.Publication | None:
-        """Every rank takes part (tensor-parallel gathers); rank 0 puts the buckets in the object store."""
+    def _send_buckets(self, max_bytes: int, send) -> publish.Publication | None:
+        """Stream the weights as buckets through ``send`` on rank 0; every other rank only takes
+        part in the tensor-parallel gathers, which happen lazily, layer by layer."""
         started = time.perf_counter()
         named = self.learner.hf_named_tensors()
         if self.rank != 0:
-            for _ in named:  # drain: the gathers happen lazily, layer by layer
+            for _ in named:
                 pass
             return None
         refs, nbytes = [], 0
         for bucket in publish.buckets(named, self.learner.version, max_bytes):
-            refs.append(ray.put(bucket))
+            ref = send(bucket)
+            if ref is not None:
+                refs.append(ref)
             nbytes += bucket.nbytes
         return publish.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
+
+    def publish(self, max_bytes: int) -> publish.Publication | None:
+        """Put the weights in the object store (rank 0); the Publication carries the refs."""
+        return self._send_buckets(max_bytes, ray.put)
 
     def join_broadcast(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the weight broadcast group with the engines (rank 0 of that group hosts it)."""
@@ -60,17 +67,10 @@ class LearnerWorker:
 
     def broadcast(self, max_bytes: int) -> publish.Publication | None:
         """Send the current weights to the engines over the broadcast group (GPU: NCCL)."""
-        started = time.perf_counter()
-        named = self.learner.hf_named_tensors()
-        if self.rank != 0:
-            for _ in named:
-                pass
-            return None
-        nbytes = 0
-        for bucket in publish.buckets(named, self.learner.version, max_bytes):
+        def send(bucket: publish.WeightBucket) -> None:
             self._broadcast.send(bucket)
-            nbytes += bucket.nbytes
-        return publish.Publication(self.learner.version, [], nbytes, time.perf_counter() - started)
+
+        return self._send_buckets(max_bytes, send)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's current weights under HF names (tests and consumers check against it)."""

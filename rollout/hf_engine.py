@@ -34,6 +34,7 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=dtype, attn_implementation="eager").eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
         self.eos_ids = self._eos_ids()
+        self._eos = torch.tensor(self.eos_ids)
         # transformers renamed past_key_values to cache (the old name goes in 5.40); support both
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -120,7 +121,7 @@ class HFEngine(Engine):
             versions.append(torch.full_like(token, self.version))
             if params.topk_logprobs:
                 tops.append(torch.topk(logp, params.topk_logprobs, dim=-1))
-            done |= torch.isin(token, torch.tensor(self.eos_ids))
+            done |= torch.isin(token, self._eos)
             if done.all():
                 break
             step_input = token[:, None]
@@ -129,10 +130,9 @@ class HFEngine(Engine):
 
     def _package(self, prompts, params, rows, tokens, logps, versions, tops) -> list[list[Completion]]:
         tokens, logps, versions = torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(versions, 1)
-        eos = torch.tensor(self.eos_ids)
         out: list[list[Completion]] = [[] for _ in prompts]
         for i, row in enumerate(rows):
-            hits = torch.isin(tokens[i], eos).nonzero()
+            hits = torch.isin(tokens[i], self._eos).nonzero()
             length = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
             out[i // params.n].append(
                 Completion(

@@ -68,3 +68,12 @@ def ray_local():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_folder):
+    """SmolLM2 in transformers, fp32 with eager attention: the engines' independent reference
+    (per module: the vllm tests load updated weights into it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()

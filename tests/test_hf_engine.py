@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from learner import publish
 from rollout.engine import SamplingParams
+from tests.engine_checks import recompute_logp
 from rollout.hf_engine import HFEngine
 
 pytestmark = pytest.mark.engine
@@ -20,23 +20,10 @@ def engine(smollm2_folder):
     return HFEngine(str(smollm2_folder))
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_folder):
-    return AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _recompute(model, completion, temperature):
-    ids = torch.cat([completion.prompt_ids, completion.response_ids])[None]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
-    start = len(completion.prompt_ids)
-    return logp[start - 1 : -1].gather(-1, completion.response_ids[:, None]).squeeze(-1)
-
-
 def _gap(engine, reference, temperature=0.8):
     prompts = [engine.chat_prompt(p) for p in PROMPTS]
     groups = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=temperature, seed=0))
-    return torch.cat([(c.rollout_logp - _recompute(reference, c, temperature)) for g in groups for c in g]), groups
+    return torch.cat([(c.rollout_logp - recompute_logp(reference, c, temperature)) for g in groups for c in g]), groups
 
 
 def test_mu_equals_a_transformers_recomputation_in_fp32(engine, reference):

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from learner import publish
 from rollout.engine import SamplingParams
+from tests.engine_checks import recompute_logp
 
 pytestmark = pytest.mark.gpu
 
 
-def test_sglang_mu_matches_transformers_and_weight_updates_apply(smollm2_folder):
+def test_sglang_mu_matches_transformers_and_weight_updates_apply(smollm2_folder, reference):
     pytest.importorskip("sglang")
-    from transformers import AutoModelForCausalLM
-
     from rollout.sglang_engine import SGLangEngine
 
     engine = SGLangEngine(str(smollm2_folder), precision="fp32")
     try:
-        reference = AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32).eval()
         prompt = [engine.chat_prompt("Ben has 4 apples. He gets 3 more. How many apples does Ben have now?")]
         (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, topk_logprobs=3, seed=0))
         for c in group:
-            ids = torch.cat([c.prompt_ids, c.response_ids])[None]
-            with torch.no_grad():
-                logp = torch.log_softmax(reference(ids).logits[0].float() / 0.8, -1)
-            ref = logp[len(c.prompt_ids) - 1 : -1].gather(-1, c.response_ids[:, None]).squeeze(-1)
-            assert (c.rollout_logp - ref).abs().max().item() <= 1e-2  # GPU kernels, TF32
+            assert (c.rollout_logp - recompute_logp(reference, c, 0.8)).abs().max().item() <= 1e-2  # GPU kernels, TF32
             assert (c.topk_logp.exp().sum(-1) <= 1 + 1e-4).all()
         state = {k: v * 1.01 for k, v in reference.state_dict().items() if k.endswith("mlp.down_proj.weight")}
         engine.update_weights(publish.buckets(state.items(), version=1))

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from learner import publish
 from rollout.engine import SamplingParams
+from tests.engine_checks import recompute_logp
 
 pytestmark = pytest.mark.engine
 
@@ -26,24 +27,12 @@ def engine(smollm2_folder):
     eng.close()
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_folder):
-    return AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _recompute(model, c, temperature):
-    ids = torch.cat([c.prompt_ids, c.response_ids])[None]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
-    return logp[len(c.prompt_ids) - 1 : -1].gather(-1, c.response_ids[:, None]).squeeze(-1)
-
-
 def test_vllm_mu_equals_a_transformers_recomputation_and_topk_is_consistent(engine, reference):
     prompts = [engine.chat_prompt(p) for p in PROMPTS]
     groups = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, topk_logprobs=4, seed=0))
     assert [len(g) for g in groups] == [2, 2]
     for c in (c for g in groups for c in g):
-        gap = c.rollout_logp - _recompute(reference, c, 0.8)
+        gap = c.rollout_logp - recompute_logp(reference, c, 0.8)
         assert gap.abs().max().item() <= 1e-3
         assert (c.versions == engine.version).all() and c.finish_reason in ("stop", "length")
         assert c.topk_ids.shape == (len(c.response_ids), 4) and (c.topk_logp.exp().sum(-1) <= 1 + 1e-5).all()
@@ -63,7 +52,7 @@ def test_vllm_weight_update_changes_outputs_and_version(engine, reference):
     assert not torch.equal(before.rollout_logp[:1], after.rollout_logp[:1])
     # the updated engine still agrees with transformers holding the same updated weights
     reference.load_state_dict(state, strict=False)
-    assert (after.rollout_logp - _recompute(reference, after, 1.0)).abs().max().item() <= 1e-3
+    assert (after.rollout_logp - recompute_logp(reference, after, 1.0)).abs().max().item() <= 1e-3
 
 
 def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, reference):
@@ -96,7 +85,7 @@ def test_vllm_low_precision_numerics_gap_is_reported(smollm2_folder, reference, 
         groups = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, seed=0))
     finally:
         eng.close()
-    gap = torch.cat([c.rollout_logp - _recompute(fresh, c, 0.8) for g in groups for c in g])
+    gap = torch.cat([c.rollout_logp - recompute_logp(fresh, c, 0.8) for g in groups for c in g])
     stats = {"mean_abs_logp_gap": gap.abs().mean().item(), "max_abs_logp_gap": gap.abs().max().item()}
     record_property(f"vllm_{precision}_gap", stats)
     with capsys.disabled():

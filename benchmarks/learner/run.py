@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.harness import peak_mib_since, reset_peak, run_worker
+from benchmarks.harness import interleaved_medians, peak_mib_since, reset_peak, run_worker
 
 SEQS, TOKENS, PROMPT = 8, 256, 64
 
@@ -184,19 +184,15 @@ def main() -> int:
         print(json.dumps(JOBS[kind](json.loads(spec))))
         return 0
     if args.only in (None, "step"):
-        runs = {"transformers": [], "drpo": []}
-        for _ in range(args.rounds):
-            for impl in runs:
-                runs[impl].append(run_worker("benchmarks.learner.run", "step", {"impl": impl, "steps": args.steps}))
+        specs = {impl: {"impl": impl, "steps": args.steps} for impl in ("transformers", "drpo")}
+        res = interleaved_medians("benchmarks.learner.run", "step", specs, args.rounds, ("seconds", "peak_mib"))
         print(f"Train step, SmolLM2-135M, {SEQS} x {TOKENS} tokens, fp32, DRPO; median of {args.rounds} interleaved rounds")
         med = {}
-        for impl, rs in runs.items():
-            ok = [r for r in rs if "error" not in r]
-            if not ok:
-                print(f"  {impl:14s} {rs[-1]['error']}")
+        for impl, r in res.items():
+            if "error" in r:
+                print(f"  {impl:14s} {r['error']}")
                 continue
-            med[impl] = {k: statistics.median(r[k] for r in ok) for k in ("seconds", "peak_mib")}
-            med[impl]["tokens_per_s"] = SEQS * TOKENS / med[impl]["seconds"]
+            med[impl] = dict(r, tokens_per_s=SEQS * TOKENS / r["seconds"])
         for impl, m in med.items():
             ratio = ""
             if "transformers" in med and impl != "transformers":

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
-from benchmarks.harness import run_worker
+from benchmarks.harness import interleaved_medians
 
 N, NEW_TOKENS = 8, 128
 PROMPTS = [
@@ -68,22 +67,16 @@ def main() -> int:
     if args.worker:
         print(json.dumps(_job(json.loads(args.worker[1]))))
         return 0
-    runs = {"hf fp32": [], "hf bf16": [], "vllm fp32": []}
-    for _ in range(args.rounds):
-        for label in runs:
-            engine, precision = label.split()
-            runs[label].append(run_worker("benchmarks.rollout.run", "generate", {"engine": engine, "precision": precision}))
+    specs = {label: dict(zip(("engine", "precision"), label.split())) for label in ("hf fp32", "hf bf16", "vllm fp32")}
+    res = interleaved_medians("benchmarks.rollout.run", "generate", specs, args.rounds, ("tokens_per_s", "update_s"))
     print(f"Generation, SmolLM2-135M, {len(PROMPTS)} prompts x n={N} x <= {NEW_TOKENS} new tokens; median of {args.rounds} interleaved rounds")
     base = None
-    for label, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
-        if not ok:
-            print(f"  {label:10s} {rs[-1]['error']}")
+    for label, r in res.items():
+        if "error" in r:
+            print(f"  {label:10s} {r['error']}")
             continue
-        tps = statistics.median(r["tokens_per_s"] for r in ok)
-        upd = statistics.median(r["update_s"] for r in ok)
-        base = base or tps
-        print(f"  {label:10s} {tps:7.1f} tokens/s (x{tps / base:.2f})   full weight update {upd:.3f} s")
+        base = base or r["tokens_per_s"]
+        print(f"  {label:10s} {r['tokens_per_s']:7.1f} tokens/s (x{r['tokens_per_s'] / base:.2f})   full weight update {r['update_s']:.3f} s")
     return 0
 
 
