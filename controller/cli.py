@@ -1,4 +1,4 @@
-"""The ``drpo`` command. Subcommands grow with the system; today: ``demo`` and ``objectives``."""
+"""The ``drpo`` command: ``train`` (the main job), ``demo`` and ``objectives``."""
 
 from __future__ import annotations
 
@@ -31,9 +31,56 @@ def _objectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_ray(cfg) -> None:
+    import os
+
+    import ray
+
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    # a local cluster in this process, on loopback only (Ray picks eth0 otherwise)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    needed = cfg.rollout.workers * cfg.rollout.cpus_per_worker + cfg.learner.parallel.world_size * cfg.learner_resources.cpus_per_worker
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False, log_to_driver=False)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from controller.app import train
+    from controller.config import ConfigError, SimulationConfig, load_config
+
+    overrides = list(args.set or [])
+    config = args.config
+    if args.resume:
+        config = config or str(Path(args.resume) / "config.yaml")
+        overrides.append(f"run_dir={args.resume}")
+    try:
+        cfg = load_config(config, overrides)
+        if args.simulate and cfg.simulation is None:
+            cfg = cfg.model_copy(update={"simulation": SimulationConfig()})
+    except ConfigError as err:
+        print(f"drpo train: {err}", file=sys.stderr)
+        return 2
+    if cfg.simulation is None:
+        _init_ray(cfg)
+    print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
+    result = train(cfg, resume=bool(args.resume))
+    print(result.summary)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drpo", description="Distributed RL post-training with DRPO on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="run RL training (no arguments: SmolLM2-135M, arithmetic, DRPO, local Ray)")
+    tr.add_argument("--config", help="run config YAML (default: the embedded default preset)")
+    tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set train.steps=5")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    tr.add_argument("--simulate", action="store_true", help="sampled durations instead of models (scheduling only)")
+    tr.set_defaults(fn=_train)
     sub.add_parser("demo", help="print DRPO/DPPO/SPO/PPO gradient weights across mu and pi").set_defaults(fn=_demo)
     sub.add_parser("objectives", help="list registered objectives and their defaults").set_defaults(fn=_objectives)
     return parser

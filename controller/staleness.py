@@ -38,17 +38,24 @@ class StalenessStats:
 
 
 class StalenessManager:
-    def __init__(self, max_staleness: int, batch_size: int, version: Callable[[], int], max_concurrent: int | None = None):
+    def __init__(
+        self, max_staleness: int, batch_size: int, version: Callable[[], int], max_concurrent: int | None = None,
+        serving_version: Callable[[], int] | None = None,
+    ):
+        """``version``: the learner's policy version. ``serving_version``: the oldest version a new
+        rollout may start under (the slowest worker's, while a publication travels); admission counts
+        with it, so a lagging publication slows admission instead of producing samples to drop."""
         if max_staleness < 0 or batch_size < 1:
             raise ValueError(f"max_staleness must be >= 0 and batch_size >= 1, got {max_staleness}, {batch_size}")
         self.max_staleness, self.batch_size = max_staleness, batch_size
         self.max_concurrent = max_concurrent
         self._version = version
+        self._serving = serving_version or version
         self._lock = threading.Lock()
         self._accepted = self._running = self._rejected = 0
 
     def _capacity(self) -> int:
-        limit = (self.max_staleness + self._version() + 1) * self.batch_size - (self._accepted + self._running)
+        limit = (self.max_staleness + min(self._version(), self._serving()) + 1) * self.batch_size - (self._accepted + self._running)
         if self.max_concurrent is not None:
             limit = min(limit, self.max_concurrent - self._running)
         return limit
@@ -74,6 +81,20 @@ class StalenessManager:
             self._require_running()
             self._running -= 1
             self._rejected += 1
+
+    def on_dropped(self) -> None:
+        """An accepted sample was dropped before training (over the bound): its slot is free again."""
+        with self._lock:
+            if self._accepted <= 0:
+                raise RuntimeError("a sample was dropped that was never accepted")
+            self._accepted -= 1
+            self._rejected += 1
+
+    def on_cancelled(self) -> None:
+        """A running rollout was taken back before it started (it will be admitted again later)."""
+        with self._lock:
+            self._require_running()
+            self._running -= 1
 
     def is_fresh(self, oldest_token_version: int) -> bool:
         """Whether a sample may be trained on now (the drop policy discards it otherwise)."""

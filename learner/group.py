@@ -20,7 +20,9 @@ from learner.worker import LearnerWorker
 
 
 class LearnerGroup:
-    def __init__(self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0):
+    def __init__(
+        self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None
+    ):
         self.cfg = cfg
         n = cfg.parallel.world_size
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
@@ -32,7 +34,7 @@ class LearnerGroup:
                 num_cpus=cpus_per_worker,
                 num_gpus=gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(cfg.model_dump(), i, n, max(1, int(cpus_per_worker)))
+            ).remote(cfg.model_dump(), i, n, threads or max(1, int(cpus_per_worker)))
             for i in range(n)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
@@ -41,16 +43,26 @@ class LearnerGroup:
     def _dp_rank(self, rank: int) -> int:
         return rank // self.cfg.parallel.tensor
 
+    def _split(self, batch: TrainBatch, parts: int) -> list[TrainBatch]:
+        n = batch.input_ids.shape[0]
+        if n % parts:
+            raise ValueError(f"batch of {n} sequences does not split into {parts} equal parts")
+        size = n // parts
+        return [batch.map(lambda t, r=r: t[r * size : (r + 1) * size]) for r in range(parts)]
+
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics."""
+        return ray.get(self.submit_train(batch, 1))[0][0]
+
+    def submit_train(self, batch: TrainBatch, mini_batches: int = 1) -> list:
+        """Start ``mini_batches`` updates on consecutive slices of ``batch`` (each split across
+        data-parallel ranks); returns one ref per rank, each to its list of StepMetrics."""
         dp = self.cfg.parallel.data
-        n = batch.input_ids.shape[0]
-        if n % dp:
-            raise ValueError(f"batch of {n} sequences does not split over {dp} data-parallel ranks")
-        size = n // dp
-        parts = [batch.map(lambda t, r=r: t[r * size : (r + 1) * size]) for r in range(dp)]
-        results = ray.get([w.train_step.remote(parts[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
-        return results[0]
+        per_rank = [[] for _ in range(dp)]
+        for mb in self._split(batch, mini_batches):
+            for r, part in enumerate(self._split(mb, dp)):
+                per_rank[r].append(part)
+        return [w.train_batch.remote(per_rank[self._dp_rank(i)]) for i, w in enumerate(self.workers)]
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of every sequence (each data-parallel rank computes its slice)."""

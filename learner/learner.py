@@ -23,7 +23,7 @@ from learner import model as modeling
 from learner.config import LearnerConfig
 from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
-from objectives.diagnostics import gap_metrics
+from objectives.diagnostics import gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
 
 
@@ -39,11 +39,14 @@ class TrainBatch:
     """[N, S] behaviour log-prob mu of each response token, from the engine that sampled it."""
     advantages: torch.Tensor
     """[N, S] advantage of each response token."""
+    version_lag: torch.Tensor | None = None
+    """[N, S] int64 learner version minus the version that sampled each token (optional): splits
+    the gap metrics into numerics (lag 0) and staleness (lag >= 1)."""
 
     def __post_init__(self) -> None:
-        for name in ("response_mask", "rollout_logp", "advantages"):
+        for name in ("response_mask", "rollout_logp", "advantages", "version_lag"):
             t = getattr(self, name)
-            if t.shape != self.input_ids.shape:
+            if t is not None and t.shape != self.input_ids.shape:
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, input_ids has {tuple(self.input_ids.shape)}")
         if self.response_mask[:, 0].any():
             raise ValueError("TrainBatch.response_mask marks position 0, which has no context to predict it from")
@@ -52,7 +55,8 @@ class TrainBatch:
 
     def map(self, fn) -> "TrainBatch":
         """A TrainBatch of ``fn`` applied to each of the four tensors (slicing, device moves)."""
-        return TrainBatch(fn(self.input_ids), fn(self.response_mask), fn(self.rollout_logp), fn(self.advantages))
+        lag = None if self.version_lag is None else fn(self.version_lag)
+        return TrainBatch(fn(self.input_ids), fn(self.response_mask), fn(self.rollout_logp), fn(self.advantages), lag)
 
     def to(self, device: torch.device) -> "TrainBatch":
         return self.map(lambda t: t.to(device, non_blocking=True))
@@ -185,8 +189,11 @@ class Learner:
 
     # ---- step -------------------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch) -> StepMetrics:
-        """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR schedule."""
+    def train_step(self, batch: TrainBatch, advance_version: bool = True) -> StepMetrics:
+        """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR schedule.
+
+        ``advance_version=False`` for all but the last of several updates on one rollout batch: the
+        policy version counts rollout batches (what the staleness bound is stated in), not updates."""
         started = time.perf_counter()
         self.model.train()
         self.model.zero_grad_buffer()
@@ -204,10 +211,13 @@ class Learner:
             total_loss += loss.detach()
             acc.add("objective/", out.metrics)
             acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, entropy=stats.entropy))
+            if mb.version_lag is not None:
+                by_lag = gap_metrics_by_lag(stats.logp, mb.rollout_logp, mb.version_lag, mb.response_mask)
+                acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
         self.model.finish_grad_sync()
         grad_norm = self.optimizer.step()
         self.step_count += 1
-        self.version += 1
+        self.version += int(advance_version)
         if dist.get_world_size() > 1:
             dist.all_reduce(total_loss)
         values = acc.reduce(self._dp_group())

@@ -36,6 +36,11 @@ class LearnerWorker:
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         return self.learner.train_step(batch)
 
+    def train_batch(self, mini_batches: list[TrainBatch]) -> list[StepMetrics]:
+        """One optimizer update per mini-batch; the version advances once, after the last."""
+        last = len(mini_batches) - 1
+        return [self.learner.train_step(mb, advance_version=i == last) for i, mb in enumerate(mini_batches)]
+
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return self.learner.compute_logprobs(input_ids)
 

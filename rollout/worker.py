@@ -10,6 +10,7 @@ A generation or reward failure is recorded on its group (``error``), never kills
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -30,6 +31,8 @@ class ScoredGroup:
     rewards: list[RewardResult]
     seconds: float
     error: str | None = None
+    tag: str = "train"
+    """What the controller asked for it as ("train", "eval"); echoed back unchanged."""
 
     @property
     def scores(self) -> list[float]:
@@ -55,11 +58,17 @@ def make_reward(name: str):
 class RolloutWorker:
     """Create with ``ray.remote(RolloutWorker)``; every method returns quickly."""
 
-    def __init__(self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf", **engine_kwargs):
+    def __init__(
+        self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf",
+        max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, **engine_kwargs,
+    ):
+        """``max_batch_prompts``: queued prompts of the same kind generated together in one engine
+        call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.reward = make_reward(reward)
-        self._inbox: queue.Queue[Problem | None] = queue.Queue()
+        self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
+        self._inbox: queue.Queue[tuple[Problem, str, int] | None] = queue.Queue()
         self._outbox: list[ScoredGroup] = []
         self._lock = threading.Lock()
         self._stats = _Stats()
@@ -67,11 +76,24 @@ class RolloutWorker:
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
-    def submit(self, problems: list[Problem]) -> int:
-        """Queue problems for generation; returns the queue depth."""
+    def submit(self, problems: list[Problem], tag: str = "train", n: int | None = None) -> int:
+        """Queue problems for generation (``n`` samples each, default the sampling's); returns the queue depth."""
         for p in problems:
-            self._inbox.put(p)
+            self._inbox.put((p, tag, n or self.sampling.n))
         return self._inbox.qsize()
+
+    def cancel_queued(self) -> list[tuple[str, str]]:
+        """Take back every queued problem not yet started; returns their (problem id, tag)."""
+        taken, keep = [], []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            (keep if item is None else taken).append(item)
+        for item in keep:
+            self._inbox.put(item)
+        return [(p.id, tag) for p, tag, _ in taken]
 
     def collect(self, min_groups: int = 1, timeout_s: float = 0.0) -> list[ScoredGroup]:
         """Finished groups (all of them), waiting up to ``timeout_s`` for at least ``min_groups``."""
@@ -104,34 +126,66 @@ class RolloutWorker:
 
     def _loop(self) -> None:
         while True:
-            problem = self._inbox.get()
-            if problem is None:
+            item = self._inbox.get()
+            if item is None:
                 return
+            batch = [item]
+            while len(batch) < self.max_batch_prompts:  # more of the same kind, if already queued
+                try:
+                    nxt = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or nxt[1:] != item[1:]:
+                    self._inbox.put(nxt)  # order across kinds is not promised; shutdown still arrives
+                    break
+                batch.append(nxt)
             with self._lock:
-                self._in_flight += 1
-            group = self._generate(problem)
+                self._in_flight += len(batch)
+            groups = self._generate([p for p, _, _ in batch], item[1], item[2])
             with self._lock:
-                self._in_flight -= 1
-                self._outbox.append(group)
-                self._stats.groups += 1
-                self._stats.failures += group.error is not None
-                self._stats.tokens += sum(len(c.response_ids) for c in group.completions)
+                self._in_flight -= len(batch)
+                self._outbox.extend(groups)
+                self._stats.groups += len(groups)
+                self._stats.failures += sum(g.error is not None for g in groups)
+                self._stats.tokens += sum(len(c.response_ids) for g in groups for c in g.completions)
                 self._stats.last_step = time.time()
 
-    def _generate(self, problem: Problem) -> ScoredGroup:
-        started = time.perf_counter()
+    def _prompt_ids(self, problem: Problem) -> list[int]:
         if not problem.prompt.strip():
-            return ScoredGroup(problem, [], [], [], 0.0, error="empty prompt")
-        try:
-            prompt = self.engine.chat_prompt(problem.prompt)
-            completions = self.engine.generate([prompt], self.sampling)[0]
-            if any(not torch.isfinite(c.rollout_logp).all() for c in completions):
-                raise ValueError("engine returned NaN or inf behaviour log-probs")
-            texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-            rewards = [self._score(t, problem.ground_truth) for t in texts]
-            return ScoredGroup(problem, completions, texts, rewards, time.perf_counter() - started)
-        except Exception as err:  # the worker outlives a bad request; the controller sees why
-            return ScoredGroup(problem, [], [], [], time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
+            raise ValueError("empty prompt")
+        ids = self.engine.chat_prompt(problem.prompt)
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}")
+        return ids
+
+    def _generate(self, problems: list[Problem], tag: str, n: int) -> list[ScoredGroup]:
+        """Groups in ``problems`` order; a bad prompt fails its own group only."""
+        started = time.perf_counter()
+        out: dict[int, ScoredGroup] = {}
+        prompts = {}
+        for i, p in enumerate(problems):
+            try:
+                prompts[i] = self._prompt_ids(p)
+            except Exception as err:
+                out[i] = ScoredGroup(p, [], [], [], 0.0, error=str(err) if str(err) == "empty prompt" else f"{type(err).__name__}: {err}", tag=tag)
+        if prompts:
+            try:
+                params = dataclasses.replace(self.sampling, n=n)
+                results = self.engine.generate(list(prompts.values()), params)
+                seconds = (time.perf_counter() - started) / len(prompts)
+                for i, completions in zip(prompts, results):
+                    out[i] = self._score_group(problems[i], completions, seconds, tag)
+            except Exception as err:  # the worker outlives a bad request; the controller sees why
+                for i in prompts:
+                    out[i] = ScoredGroup(problems[i], [], [], [], time.perf_counter() - started, error=f"{type(err).__name__}: {err}", tag=tag)
+        return [out[i] for i in range(len(problems))]
+
+    def _score_group(self, problem: Problem, completions: list[Completion], seconds: float, tag: str) -> ScoredGroup:
+        if any(not torch.isfinite(c.rollout_logp).all() for c in completions):
+            return ScoredGroup(problem, [], [], [], seconds, error="engine returned NaN or inf behaviour log-probs", tag=tag)
+        texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
+        rewards = [self._score(t, problem.ground_truth) for t in texts]
+        return ScoredGroup(problem, completions, texts, rewards, seconds, tag=tag)
 
     def _score(self, text: str, truth: str) -> RewardResult:
         try:

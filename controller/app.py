@@ -1,0 +1,68 @@
+"""Wire a run together: config -> problems -> backend -> telemetry -> Controller, and resume."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.config import ArithmeticTask, RunConfig, dump
+from controller.loop import Controller, latest_checkpoint
+from controller.telemetry import Telemetry
+from rollout.tasks import Problem, arithmetic_split, load_dataset
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_dir: Path
+    steps: int
+    eval_history: list[dict]
+    ledger_counts: dict[str, int]
+    summary: str
+    metrics_url: str | None
+
+
+def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem]]:
+    task = cfg.task
+    if isinstance(task, ArithmeticTask):
+        return (
+            arithmetic_split("train", task.train_size, task.seed, task.max_operand),
+            arithmetic_split("test", task.test_size, task.seed, task.max_operand),
+        )
+    train = load_dataset(task.train_path, task.max_prompt_chars)
+    test = load_dataset(task.test_path, task.max_prompt_chars).problems if task.test_path else []
+    return train.problems, test
+
+
+def make_backend(cfg: RunConfig):
+    if cfg.simulation is not None:
+        from controller.simulation import SimulatedBackend
+
+        return SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+    from controller.ray_backend import RayBackend
+
+    return RayBackend(cfg)
+
+
+def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
+    """Run (or with ``resume``, continue from the run folder's latest checkpoint) to ``train.steps``."""
+    run_dir = Path(cfg.run_dir)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    train_set, test_set = problems(cfg)
+    backend = backend or make_backend(cfg)
+    telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now)
+    try:
+        ctl = Controller(cfg, backend, train_set, test_set, telemetry)
+        if checkpoint is not None:
+            ctl.restore(checkpoint)
+        ctl.run()
+        summary = telemetry.summary(ctl)
+        url = f"http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics" if telemetry.exporter else None
+        return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url)
+    finally:
+        telemetry.close()
+        backend.shutdown()

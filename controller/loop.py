@@ -1,0 +1,233 @@
+"""The Controller: one training run's schedule, over a real or a simulated backend.
+
+    prompts ──admit──▶ rollout workers ──groups──▶ score/filter ──▶ buffer ──train──▶ learner
+       ▲      (staleness gate: started ≤ (η+v+1)·B)                    (oldest first)       │
+       └──────────── ledger ◀── outcomes                        workers ◀──publish v+1──────┘
+
+sync mode is η = 0 with a blocking publication (generate, then train, on-policy); async lets
+rollouts run up to η versions ahead. Over-bound samples are waited for (a step is held until every
+rollout that would expire after it has finished) or dropped at consumption; either way
+``StalenessManager.check`` raises if one ever reaches the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from controller.backend import Backend, GroupResult, TrainResult
+from controller.config import RunConfig
+from controller.ledger import Ledger, PromptSampler, Ticket
+from controller.staleness import StalenessManager
+from controller.telemetry import Telemetry
+from rollout.tasks import Problem
+
+STATE_FILE = "controller.json"
+
+
+@dataclass
+class _Flight:
+    worker: int
+    start_bound: int
+    """A lower bound on the version its oldest token will have (the worker's version at submit)."""
+
+
+@dataclass
+class _Eval:
+    round: int
+    version: int
+    expected: int
+    results: list[GroupResult] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, backend: Backend, train: list[Problem], test: list[Problem], telemetry: Telemetry):
+        self.cfg, self.backend, self.telemetry = cfg, backend, telemetry
+        self.problems = {p.id: p for p in train}
+        self.test = test
+        self.step = self.version = 0
+        self.batch_size = cfg.train.prompts_per_step
+        self.staleness = StalenessManager(
+            cfg.train.max_staleness, self.batch_size, lambda: self.version,
+            serving_version=lambda: min(backend.worker_version(w) for w in range(backend.workers)),
+        )
+        self.sampler = PromptSampler([p.id for p in train], cfg.seed)
+        self.ledger = Ledger()
+        self.in_flight: dict[Ticket, _Flight] = {}
+        self.buffer: list[tuple[Ticket, GroupResult]] = []
+        self.training: list[tuple[Ticket, GroupResult, int]] | None = None
+        self.load = [0] * backend.workers
+        self.evals: dict[int, _Eval] = {}
+        self.eval_rounds = 0
+        self.eval_history: list[dict] = []
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """admit → generate → score → train → publish → evaluate → checkpoint, until the last step."""
+        if self.cfg.eval.at_start and self.step == 0 and self.test:
+            self.evaluate(blocking=True)
+        while self.step < self.cfg.train.steps:
+            self.admit()
+            groups, trained = self.backend.wait()
+            self.score(groups)
+            if trained is not None:
+                self.finish_step(trained)
+            self.maybe_train()
+        self.requeue_unstarted()
+        if self.test:
+            self.evaluate(blocking=True)
+        self.checkpoint()
+
+    # ---- admission and scoring ----------------------------------------------------------------------
+
+    def admit(self) -> None:
+        while self.staleness.try_admit() is not None:
+            ticket = self.sampler.next()
+            worker = min(range(len(self.load)), key=self.load.__getitem__)
+            self.load[worker] += 1
+            self.in_flight[ticket] = _Flight(worker, self.backend.worker_version(worker))
+            self.backend.submit(worker, self.problems[ticket.id], f"train/{ticket.epoch}", self.cfg.rollout.samples_per_prompt)
+
+    def score(self, groups: list[GroupResult]) -> None:
+        for g in groups:
+            kind, _, key = g.tag.partition("/")
+            if kind == "eval":
+                self._eval_result(int(key), g)
+                continue
+            ticket = Ticket(int(key), g.problem_id)
+            flight = self.in_flight.pop(ticket)
+            self.load[flight.worker] -= 1
+            if g.error is not None:
+                self.staleness.on_rejected()
+                self.ledger.record(ticket, "failed", self.step, reason=g.error)
+            elif self.cfg.advantages.filter_zero_variance and max(g.rewards) == min(g.rewards):
+                self.staleness.on_rejected()
+                self.ledger.record(ticket, "filtered", self.step, reason=f"all rewards {g.rewards[0]:g}")
+            else:
+                self.staleness.on_accepted()
+                self.buffer.append((ticket, g))
+            self.telemetry.group(g)
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def maybe_train(self) -> None:
+        """Start a step on the B oldest buffered groups, once nothing older is still running."""
+        if self.training is not None or self.step >= self.cfg.train.steps:
+            return
+        expiring = self.version - self.cfg.train.max_staleness
+        if self.cfg.train.over_bound == "wait" and any(f.start_bound <= expiring for f in self.in_flight.values()):
+            return
+        for ticket, g in [item for item in self.buffer if not self.staleness.is_fresh(item[1].oldest_version)]:
+            self.buffer.remove((ticket, g))
+            self.staleness.on_dropped()
+            self.ledger.record(ticket, "stale", self.step, reason=f"sampled at version {g.oldest_version}, learner at {self.version}")
+        if len(self.buffer) < self.batch_size:
+            return
+        self.buffer.sort(key=lambda item: item[1].oldest_version)
+        chosen, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size :]
+        self.training = [(t, g, self.staleness.check(g.oldest_version)) for t, g in chosen]
+        self.backend.start_train([g for _, g, _ in self.training], self.version)
+
+    def finish_step(self, result: TrainResult) -> None:
+        trained, self.training = self.training, None
+        self.step += 1
+        for ticket, _, lag in trained:
+            self.ledger.record(ticket, "trained", self.step, lag=lag)
+        self.version = result.version
+        publish_seconds = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
+        self.telemetry.step(self, result, [g for _, g, _ in trained], [lag for _, _, lag in trained], publish_seconds)
+        if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.test:
+            self.evaluate(blocking=False)
+        if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.cfg.train.steps:
+            self.checkpoint()
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+
+    def evaluate(self, blocking: bool) -> None:
+        """Held-out accuracy of the served weights: every test prompt, ``eval.samples_per_prompt`` samples."""
+        rnd = self.eval_rounds
+        self.eval_rounds += 1
+        self.evals[rnd] = _Eval(rnd, self.version, len(self.test))
+        for i, p in enumerate(self.test):
+            self.backend.submit(i % self.backend.workers, p, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
+        while blocking and rnd in self.evals:
+            groups, trained = self.backend.wait()
+            self.score(groups)
+            if trained is not None:
+                self.finish_step(trained)
+
+    def _eval_result(self, rnd: int, g: GroupResult) -> None:
+        ev = self.evals[rnd]
+        ev.results.append(g)
+        if len(ev.results) < ev.expected:
+            return
+        del self.evals[rnd]
+        scores = [r for res in ev.results for r in res.rewards]
+        versions = [res.oldest_version for res in ev.results if res.oldest_version is not None]
+        record = {
+            "round": rnd, "step": self.step, "version": ev.version, "accuracy": sum(scores) / max(1, len(scores)),
+            "samples": len(scores), "prompts": len(ev.results), "failed": sum(res.error is not None for res in ev.results),
+            "min_version": min(versions, default=None),
+        }
+        self.eval_history.append(record)
+        self.telemetry.evaluation(record)
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def requeue_unstarted(self) -> None:
+        """Take back queued submissions so the run can stop without waiting for them."""
+        for problem_id, tag in self.backend.cancel_queued():
+            kind, _, key = tag.partition("/")
+            if kind == "train":
+                ticket = Ticket(int(key), problem_id)
+                flight = self.in_flight.pop(ticket)
+                self.load[flight.worker] -= 1
+                self.staleness.on_cancelled()
+                self.sampler.requeue([ticket])
+            else:
+                self.evals[int(key)].expected -= 1
+
+    def checkpoint(self) -> Path:
+        """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.
+
+        Buffered and in-flight groups are not saved: their prompts are re-queued (drawn first on
+        resume), since none was trained on. Admission counters are saved as trained-only, so a
+        resumed run admits exactly what a run at this step boundary would (no burst)."""
+        root = Path(self.cfg.run_dir) / "checkpoints"
+        final, tmp = root / f"step-{self.step:06d}", root / f".tmp-step-{self.step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.backend.save(str(tmp))
+        pending = sorted(self.in_flight, key=lambda t: self.in_flight[t].start_bound) + [t for t, _ in self.buffer]
+        stats = self.staleness.stats()
+        state = {
+            "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),
+            "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
+            "staleness": {"accepted": stats.accepted - len(self.buffer), "rejected": stats.rejected},
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[: -self.cfg.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.telemetry.checkpoint(final)
+        return final
+
+    def restore(self, folder: Path) -> None:
+        """Continue from a checkpoint written by ``checkpoint`` (before anything is admitted)."""
+        state = json.loads((Path(folder) / STATE_FILE).read_text())
+        self.step, self.version = int(state["step"]), int(state["version"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.staleness.load_state_dict(state["staleness"])
+        self.eval_history, self.eval_rounds = list(state["eval_history"]), int(state["eval_rounds"])
+        self.backend.load(str(folder), self.version)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file())
+    return done[-1] if done else None

@@ -1,0 +1,159 @@
+"""The real backend: RolloutWorker actors and a LearnerGroup on a Ray cluster.
+
+Rollout workers sit in a placement group of their own (one bundle each, SPREAD across nodes); the
+learner group places itself (PACK). Finished groups come back through one long-poll ``collect`` per
+worker, waited on together with the running training step, so one ``ray.wait`` serves hundreds of
+workers. Publications go through the object store; every worker swaps them in between two decoding
+steps, and the backend learns which version a worker serves when its ``update_weights`` returns.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from controller.backend import Backend, GroupResult, TrainResult
+from controller.batch import build_train_batch, decoupled_anchor
+from controller.config import RunConfig
+from learner.group import LearnerGroup
+from rollout.tasks import Problem
+from rollout.worker import RolloutWorker, ScoredGroup
+
+COLLECT_POLL_SECONDS = 2.0
+"""How long one collect call may wait for a group: bounds the latency of noticing a dead worker."""
+
+
+def merge_step_metrics(steps: list) -> tuple[dict[str, float], int, float]:
+    """One record for several updates on one rollout batch: the first update's gap/* (the gap at
+    consumption, before this batch moved the policy), the mean of everything else."""
+    first = steps[0]
+    values = {k: v for k, v in first.values.items() if k.startswith("gap/")}
+    keys = {k for s in steps for k in s.values if not k.startswith("gap/")}
+    for k in keys:
+        got = [s.values[k] for s in steps if k in s.values]
+        values[k] = sum(got) / len(got)
+    values.update({
+        "learner/loss": sum(s.loss for s in steps) / len(steps), "learner/grad_norm": sum(s.grad_norm for s in steps) / len(steps),
+        "learner/lr": steps[-1].lr, "learner/updates": len(steps),
+    })
+    return values, sum(s.tokens for s in steps), sum(s.seconds for s in steps)
+
+
+class RayBackend(Backend):
+    def __init__(self, cfg: RunConfig, model_folder: str | None = None):
+        from rollout.offline_model import materialize_smollm2
+
+        self.cfg = cfg
+        folder = model_folder or cfg.model.path or str(materialize_smollm2())
+        ro, res = cfg.rollout, cfg.learner_resources
+        self.learner = LearnerGroup(
+            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads
+        )
+        self.workers = ro.workers
+        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
+        self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
+        ray.get(self.pg.ready())
+        sampling = {"n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature}
+        engine_kwargs = dict(ro.engine_kwargs)
+        if ro.engine == "hf":
+            engine_kwargs.setdefault("num_threads", ro.threads)
+        actor = ray.remote(RolloutWorker)
+        self.actors = [
+            actor.options(
+                num_cpus=ro.cpus_per_worker, num_gpus=ro.gpus_per_worker, max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(
+                folder, sampling, ro.reward, ro.precision, ro.engine,
+                max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens, **engine_kwargs,
+            )
+            for i in range(ro.workers)
+        ]
+        ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
+        self.pad_id = 0
+        self._serving = [0] * self.workers
+        self._acks: dict = {}
+        self._collects = {a.collect.remote(1, COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
+        self._train: list | None = None
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
+        self.actors[worker].submit.remote([problem], tag, n)
+
+    def cancel_queued(self) -> list[tuple[str, str]]:
+        return [item for taken in ray.get([a.cancel_queued.remote() for a in self.actors]) for item in taken]
+
+    def start_train(self, groups: list[GroupResult], version: int) -> None:
+        batch = build_train_batch([g.payload for g in groups], version, self.cfg.advantages, self.pad_id)
+        extra = {}
+        if self.cfg.train.anchor == "decoupled":
+            proximal = self.learner.compute_logprobs(batch.input_ids)
+            batch, extra["controller/behaviour_weight_mean"] = decoupled_anchor(batch, proximal, self.cfg.train.behaviour_weight_cap)
+        self._train_extra = extra
+        self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
+
+    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
+        pending = list(self._collects) + (self._train or []) + list(self._acks)  # an ack can open admission
+        ray.wait(pending, num_returns=1)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        ready = set(ready)
+        groups: list[GroupResult] = []
+        for ref in [r for r in self._collects if r in ready]:
+            worker = self._collects.pop(ref)
+            groups += [self._result(worker, g) for g in ray.get(ref)]
+            self._collects[self.actors[worker].collect.remote(1, COLLECT_POLL_SECONDS)] = worker
+        trained = None
+        if self._train and all(r in ready for r in self._train):
+            per_rank, self._train = ray.get(self._train), None
+            values, tokens, seconds = merge_step_metrics(per_rank[0])
+            values.update(self._train_extra)
+            trained = TrainResult(per_rank[0][-1].version, tokens, seconds, values)
+        return groups, trained
+
+    @staticmethod
+    def _result(worker: int, g: ScoredGroup) -> GroupResult:
+        versions = [int(c.versions.min()) for c in g.completions if len(c.versions)]
+        tokens = sum(len(c.response_ids) for c in g.completions)
+        oldest = min(versions) if versions else (None if g.error else 0)
+        return GroupResult(g.problem.id, g.tag, worker, tuple(g.scores), oldest, tokens, g.error, g)
+
+    def publish(self, version: int, wait: bool) -> float:
+        started = time.monotonic()
+        publication = self.learner.publish()
+        if publication.version != version:
+            raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
+        for i, a in enumerate(self.actors):
+            self._acks[a.update_weights.remote(publication.refs)] = i
+        if wait:
+            ray.get(list(self._acks))
+        return time.monotonic() - started
+
+    def worker_version(self, worker: int) -> int:
+        if self._acks:
+            done, _ = ray.wait(list(self._acks), num_returns=len(self._acks), timeout=0)
+            for ref in done:
+                w = self._acks.pop(ref)
+                self._serving[w] = max(self._serving[w], ray.get(ref))
+        return self._serving[worker]
+
+    def save(self, folder: str) -> None:
+        self.learner.save_checkpoint(folder)
+
+    def load(self, folder: str, version: int) -> None:
+        self.learner.load_checkpoint(folder)
+        self.publish(version, wait=True)
+        self._serving = [version] * self.workers
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            a.shutdown.remote()
+        try:
+            self.learner.shutdown()
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            remove_placement_group(self.pg)

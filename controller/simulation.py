@@ -1,0 +1,114 @@
+"""A discrete-event backend: generation and training replaced by sampled durations, no models.
+
+Workers take their queue in order, one group at a time, each taking a lognormal duration; a group's
+oldest token version is the version the worker served when it started. A publication reaches every
+worker ``publish_seconds`` later. Time is simulated, so hundreds of workers and thousands of steps
+run in seconds; the Controller driving it is the one that drives real runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+
+from controller.backend import Backend, GroupResult, TrainResult
+from controller.config import SimulationConfig
+from rollout.tasks import Problem
+
+
+def lognormal(rng: random.Random, mean: float, cv: float) -> float:
+    """A positive duration with the given mean and coefficient of variation."""
+    if cv == 0:
+        return mean
+    sigma2 = math.log(1 + cv * cv)
+    return rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+
+
+class SimulatedBackend(Backend):
+    def __init__(self, cfg: SimulationConfig, workers: int):
+        self.cfg, self.workers = cfg, workers
+        self.rng = random.Random(cfg.seed)
+        self.clock = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+        self._queues = [deque() for _ in range(workers)]
+        self._busy = [False] * workers
+        self._serving = [0] * workers
+        self._learner_version = 0
+        self.busy_seconds = {"rollout": 0.0, "train": 0.0}
+
+    def now(self) -> float:
+        return self.clock
+
+    def _at(self, seconds: float, event: tuple) -> None:
+        heapq.heappush(self._events, (self.clock + seconds, next(self._order), event))
+
+    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
+        self._queues[worker].append((problem.id, tag, n))
+        self._start_next(worker)
+
+    def _start_next(self, worker: int) -> None:
+        if self._busy[worker] or not self._queues[worker]:
+            return
+        problem_id, tag, n = self._queues[worker].popleft()
+        self._busy[worker] = True
+        seconds = lognormal(self.rng, self.cfg.gen_seconds, self.cfg.gen_cv)
+        self.busy_seconds["rollout"] += seconds
+        rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
+        group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
+        self._at(seconds, ("group", group))
+
+    def cancel_queued(self) -> list[tuple[str, str]]:
+        out = [(pid, tag) for q in self._queues for pid, tag, _ in q]
+        for q in self._queues:
+            q.clear()
+        return out
+
+    def start_train(self, groups: list[GroupResult], version: int) -> None:
+        seconds = lognormal(self.rng, self.cfg.train_seconds, self.cfg.train_cv)
+        self.busy_seconds["train"] += seconds
+        tokens = sum(g.tokens for g in groups)
+        self._at(seconds, ("train", TrainResult(version + 1, tokens, seconds, {"learner/loss": 0.0})))
+
+    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
+        """Advance to the next event time and return what finished then (a publication arriving
+        returns empty-handed: it can open admission)."""
+        if not self._events:
+            raise RuntimeError("simulation deadlock: the controller waits but nothing is running")
+        groups: list[GroupResult] = []
+        trained = None
+        time_ = self._events[0][0]
+        while self._events and self._events[0][0] == time_:
+            _, _, (kind, payload) = heapq.heappop(self._events)
+            self.clock = max(self.clock, time_)
+            if kind == "group":
+                groups.append(payload)
+                self._busy[payload.worker] = False
+                self._start_next(payload.worker)
+            elif kind == "train":
+                trained = payload
+                self._learner_version = payload.version
+            else:  # "weights": a publication arrives at a worker
+                worker, version = payload
+                self._serving[worker] = max(self._serving[worker], version)
+        return groups, trained
+
+    def publish(self, version: int, wait: bool) -> float:
+        delay = self.cfg.publish_seconds
+        if wait:
+            self.clock += delay
+            self._serving = [max(v, version) for v in self._serving]
+        else:
+            for w in range(self.workers):
+                self._at(delay, ("weights", (w, version)))
+        return delay
+
+    def worker_version(self, worker: int) -> int:
+        return self._serving[worker]
+
+    def load(self, folder: str, version: int) -> None:
+        self._learner_version = version
+        self._serving = [version] * self.workers

@@ -1,0 +1,173 @@
+"""What a run reports: metrics.jsonl, a Prometheus endpoint, a live progress bar, a summary table.
+
+Every step appends one JSON line of namespaced floats (``learner/``, ``objective/``, ``gap/``,
+``staleness/``, ``rollout/``, ``reward/``, ``ledger/``); evaluations and checkpoints append their own
+lines with a ``kind`` field. The same values are served as Prometheus gauges named
+``drpo_<namespace>_<name>`` on ``metrics.host:port`` (127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from controller.backend import GroupResult, TrainResult
+from controller.config import MetricsConfig
+
+if TYPE_CHECKING:
+    from controller.loop import Controller
+
+LAG_BINS = 8
+"""staleness/lag_hist has bins 0..LAG_BINS-2 and one overflow bin."""
+
+
+def prometheus_name(key: str) -> str:
+    return "drpo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class PrometheusExporter:
+    """Gauges in a private registry, served over HTTP from a daemon thread."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.registry = CollectorRegistry()
+        self._gauges: dict[str, object] = {}
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = host, self.server.server_port
+
+    def set(self, values: dict[str, float]) -> None:
+        from prometheus_client import Gauge
+
+        for key, value in values.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name = prometheus_name(key)
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(name, f"drpo metric {key}", registry=self.registry)
+            gauge.set(value)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Telemetry:
+    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, total_steps: int, clock):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (self.run_dir / "metrics.jsonl").open("a")
+        self.cfg, self.total_steps, self.clock = cfg, total_steps, clock
+        self.exporter = PrometheusExporter(cfg.host, cfg.port) if cfg.port is not None else None
+        self.last: dict[str, float] = {}
+        self.steps: list[dict] = []
+        self.evals: list[dict] = []
+        self._tty = sys.stderr.isatty()
+        self._since = clock()
+        self._group_tokens = self._groups = 0
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def group(self, g: GroupResult) -> None:
+        self._group_tokens += g.tokens
+        self._groups += 1
+
+    def step(self, ctl: "Controller", result: TrainResult, groups: list[GroupResult], lags: list[int], publish_seconds: float) -> None:
+        now = self.clock()
+        elapsed = max(now - self._since, 1e-9)
+        rewards = [r for g in groups for r in g.rewards]
+        stats = ctl.staleness.stats()
+        record = {
+            "kind": "step", "step": ctl.step, "version": ctl.version, "time": now, "step_seconds": elapsed,
+            "reward/mean": sum(rewards) / max(1, len(rewards)),
+            "reward/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+            "learner/tokens": result.tokens, "learner/seconds": result.seconds,
+            "learner/tokens_per_second": result.tokens / max(result.seconds, 1e-9),
+            "rollout/tokens_per_second": self._group_tokens / elapsed, "rollout/groups": self._groups,
+            "rollout/publish_seconds": publish_seconds,
+            "staleness/lag_mean": sum(lags) / max(1, len(lags)), "staleness/lag_max": max(lags, default=0),
+            "staleness/accepted": stats.accepted, "staleness/running": stats.running, "staleness/rejected": stats.rejected,
+            "staleness/capacity": stats.capacity, "staleness/buffered": len(ctl.buffer), "staleness/max": ctl.cfg.train.max_staleness,
+            **{f"staleness/lag_hist/bin_{i}": sum(min(lag, LAG_BINS - 1) == i for lag in lags) for i in range(LAG_BINS)},
+            **{f"ledger/{k}": v for k, v in ctl.ledger.counts().items()},
+            **result.metrics,
+        }
+        self._since, self._group_tokens, self._groups = now, 0, 0
+        self.steps.append(record)
+        self._publish(record)
+        self._progress(record)
+
+    def evaluation(self, record: dict) -> None:
+        record = {"kind": "eval", "time": self.clock(), **record}
+        self.evals.append(record)
+        self._publish({"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}, record)
+
+    def checkpoint(self, path: Path) -> None:
+        self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})
+
+    def _publish(self, values: dict, record: dict | None = None) -> None:
+        self._write(record if record is not None else values)
+        values = {**values, "last_step_timestamp_seconds": time.time()} if record is None else values
+        self.last.update(values)
+        if self.exporter is not None:
+            self.exporter.set(values)
+
+    # ---- the console --------------------------------------------------------------------------------
+
+    def _progress(self, r: dict) -> None:
+        if not self.cfg.progress:
+            return
+        width = 20
+        done = int(width * r["step"] / self.total_steps)
+        ev = self.evals[-1] if self.evals else None
+        line = (
+            f"step {r['step']}/{self.total_steps} [{'#' * done}{'.' * (width - done)}] "
+            f"reward {r['reward/mean']:.3f} acc {r['reward/accuracy']:.3f} "
+            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} corrective {r.get('objective/corrective_frac', math.nan):.4f} "
+            f"staleness {r['staleness/lag_mean']:.2f}"
+        )
+        line += (f" eval {ev['accuracy']:.3f}" if ev else "") + f" {r['step_seconds']:.1f}s/step"
+        print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", file=sys.stderr, flush=True)
+
+    def summary(self, ctl: "Controller") -> str:
+        """A plain-text table of the run: held-out accuracy first and last, throughput, gap, ledger."""
+        rows = []
+        if ctl.eval_history:
+            first, last = ctl.eval_history[0], ctl.eval_history[-1]
+            rows.append(("held-out accuracy, start", f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
+            rows.append(("held-out accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
+        if self.steps:
+            def mean(key: str) -> float:  # over the steps that have it (a lag bucket can be empty)
+                got = [s[key] for s in self.steps if key in s and not math.isnan(s[key])]
+                return sum(got) / len(got) if got else math.nan
+
+            rows += [
+                ("steps this session", f"{len(self.steps)} (to step {self.steps[-1]['step']})"),
+                ("seconds per step", f"{mean('step_seconds'):.1f}"),
+                ("learner tokens/s", f"{mean('learner/tokens_per_second'):.1f}"),
+                ("rollout tokens/s", f"{mean('rollout/tokens_per_second'):.1f}"),
+                ("train reward, first -> last step", f"{self.steps[0]['reward/mean']:.3f} -> {self.steps[-1]['reward/mean']:.3f}"),
+                ("|pi-mu| mean, lag 0 (numerics)", f"{mean('gap/numerics/abs_shift_mean'):.5f}"),
+                ("|pi-mu| mean, lag >= 1 (staleness)", f"{mean('gap/staleness/abs_shift_mean'):.5f}"),
+                ("corrective fraction", f"{mean('objective/corrective_frac'):.5f}"),
+                ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
+            ]
+        rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ctl.ledger.counts().items())) or "empty"))
+        rows.append(("run folder", str(self.run_dir)))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+    def close(self) -> None:
+        if self._tty and self.cfg.progress:
+            print(file=sys.stderr)
+        self._file.close()
+        if self.exporter is not None:
+            self.exporter.close()

@@ -1,0 +1,84 @@
+"""Run config: every preset loads; bad values and unknown keys fail at load with the field's name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main
+from controller.config import PRESETS, ConfigError, RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_run_configs() -> list[Path]:
+    """Every run-config YAML in the repository (presets and anything else with a train section)."""
+    found = []
+    for path in REPO.rglob("*.yaml"):
+        if any(part.startswith(".") or part in ("runs", "node_modules") for part in path.relative_to(REPO).parts):
+            continue
+        if path.parent == PRESETS or "train:" in path.read_text():
+            found.append(path)
+    return sorted(found)
+
+
+def test_presets_exist():
+    names = {p.name for p in PRESETS.glob("*.yaml")}
+    assert {"default.yaml", "cluster-gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", repo_run_configs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_config_file_in_the_repo_loads(path):
+    assert isinstance(load_config(path), RunConfig)
+
+
+def test_the_default_preset_is_the_embedded_default():
+    cfg = load_config()
+    assert cfg.model.path is None and cfg.task.type == "arithmetic" and cfg.rollout.engine == "hf"
+    assert cfg.learner.objective.type == "drpo" and cfg.train.mode == "async" and cfg.metrics.host == "127.0.0.1"
+
+
+def test_overrides_apply_with_yaml_types():
+    cfg = load_config(overrides=["train.steps=7", "learner.objective={type: ppo_clip, eps_high: 0.28}", "rollout.precision=bf16"])
+    assert cfg.train.steps == 7 and cfg.learner.objective.type == "ppo_clip" and cfg.learner.objective.eps_high == 0.28
+    assert cfg.rollout.precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.steps=many", "train.steps"),
+        ("train.stepz=3", "train.stepz"),
+        ("rollout.workers=0", "rollout.workers"),
+        ("learner.objective.delta=-1", "learner.objective.drpo.delta"),
+        ("learner.objective={type: nonsense}", "learner.objective"),
+        ("metrics.port=70000", "metrics.port"),
+        ("task.type=video", "task"),
+    ],
+)
+def test_bad_values_fail_with_the_field_name(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert field in str(err.value)
+
+
+def test_cross_field_checks_name_the_fields():
+    with pytest.raises(ConfigError, match="train.max_staleness must be 0 in sync mode"):
+        load_config(overrides=["train.mode=sync", "train.max_staleness=2"])
+    with pytest.raises(ConfigError, match="learner.temperature"):
+        load_config(overrides=["rollout.temperature=0.7"])
+
+
+def test_unreadable_or_malformed_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_cli_reports_a_bad_config_and_exits_2(capsys):
+    assert main(["train", "--set", "train.prompts_per_step=zero"]) == 2
+    assert "train.prompts_per_step" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""The Controller over the simulated backend: staleness invariant, wait/drop policies, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from controller.app import train
+from controller.config import RunConfig
+from controller.ledger import PromptSampler
+from controller.loop import Controller, latest_checkpoint
+from controller.simulation import SimulatedBackend
+from controller.staleness import StalenessViolation
+from controller.telemetry import Telemetry
+from rollout.tasks import arithmetic_split
+
+
+def sim_config(tmp_path, **train) -> RunConfig:
+    sim = train.pop("sim", {})
+    workers = train.pop("workers", 4)
+    checkpoint_every = train.pop("checkpoint_every", 0)
+    return RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"), "seed": train.pop("seed", 0),
+        "task": {"type": "arithmetic", "train_size": train.pop("train_size", 500), "test_size": 10},
+        "rollout": {"workers": workers, "samples_per_prompt": 4},
+        "train": {"steps": 20, "prompts_per_step": 8, "mode": "async", "max_staleness": 2, **train},
+        "eval": {"every": 0, "at_start": False}, "checkpoint": {"every": checkpoint_every, "keep": 10},
+        "metrics": {"port": None, "progress": False},
+        "simulation": {"gen_seconds": 1.0, "gen_cv": 1.0, "train_seconds": 1.0, **sim},
+    })
+
+
+def trained_lags(run_dir) -> list[int]:
+    state = json.loads((latest_checkpoint(run_dir) / "controller.json").read_text())
+    return [e["lag"] for e in state["ledger"] if e["outcome"] == "trained"]
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_no_trained_sample_is_older_than_the_bound_under_random_durations(tmp_path, trial):
+    rng = random.Random(trial)
+    eta = rng.choice([0, 1, 2, 4])
+    cfg = sim_config(
+        tmp_path, seed=trial, workers=rng.choice([1, 3, 8, 64]), max_staleness=eta, mode="sync" if eta == 0 else "async",
+        over_bound=rng.choice(["wait", "drop"]), steps=rng.randint(10, 30),
+        sim={"gen_cv": rng.uniform(0, 3), "train_seconds": rng.uniform(0.1, 5), "train_cv": rng.uniform(0, 1),
+             "publish_seconds": rng.choice([0.0, 0.5, 3.0]), "accuracy": rng.uniform(0.05, 0.95), "seed": trial},
+    )
+    result = train(cfg)
+    lags = trained_lags(cfg.run_dir)
+    assert result.steps == cfg.train.steps
+    assert len(lags) == cfg.train.steps * cfg.train.prompts_per_step
+    assert max(lags) <= eta and min(lags) >= 0
+    if eta > 0 and cfg.rollout.workers > 1:
+        assert max(lags) >= 1  # async really ran ahead
+
+
+def test_wait_policy_never_drops_and_drop_policy_drops_only_over_bound_samples(tmp_path):
+    heavy_tail = {"gen_cv": 4.0, "train_seconds": 0.2, "seed": 3}
+    waited = train(sim_config(tmp_path / "w", workers=16, max_staleness=1, over_bound="wait", steps=40, sim=heavy_tail))
+    dropped = train(sim_config(tmp_path / "d", workers=16, max_staleness=1, over_bound="drop", steps=40, sim=heavy_tail))
+    assert "stale" not in waited.ledger_counts
+    assert dropped.ledger_counts.get("stale", 0) > 0
+    state = json.loads((latest_checkpoint(tmp_path / "d" / "run") / "controller.json").read_text())
+    for e in state["ledger"]:
+        if e["outcome"] == "stale":
+            sampled, learner = [int(w) for w in e["reason"].replace(",", "").split() if w.isdigit()]
+            assert learner - sampled > 1  # dropped only beyond eta = 1
+    assert max(trained_lags(tmp_path / "d" / "run")) <= 1
+
+
+def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
+    cfg = sim_config(tmp_path, max_staleness=1)
+    ctl = Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 50), [], Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
+    ctl.version = 5
+    with pytest.raises(StalenessViolation, match="3 versions old"):
+        ctl.staleness.check(2)
+
+
+def _controller(cfg, tmp_path):
+    backend = SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+    train_set = arithmetic_split("train", cfg.task.train_size)
+    return Controller(cfg, backend, train_set, [], Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now))
+
+
+def test_resume_admits_no_burst(tmp_path):
+    cfg = sim_config(tmp_path, workers=8, max_staleness=2, steps=9, checkpoint_every=3)
+    train(cfg)
+    ctl = _controller(cfg, tmp_path)
+    ctl.restore(tmp_path / "run" / "checkpoints" / "step-000006")
+    stats = ctl.staleness.stats()
+    assert stats.running == 0 and stats.accepted == 6 * cfg.train.prompts_per_step
+    ctl.admit()
+    # exactly what a run at this step boundary with nothing in flight may start: (eta + 1) * B
+    assert len(ctl.in_flight) == (cfg.train.max_staleness + 1) * cfg.train.prompts_per_step
+
+
+def test_resume_after_a_crash_neither_reconsumes_nor_skips_prompts(tmp_path):
+    # a small training set so the run crosses epochs, where a prompt legitimately recurs
+    cfg = sim_config(tmp_path, workers=6, max_staleness=2, steps=10, checkpoint_every=4, train_size=60)
+    train(cfg)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = json.loads((checkpoints / "step-000008" / "controller.json").read_text())
+    shutil.rmtree(checkpoints / "step-000010")  # the driver died between step 8 and the end
+    resumed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 20})})
+    train(resumed, resume=True)
+    after = json.loads((latest_checkpoint(tmp_path / "run") / "controller.json").read_text())
+    assert after["ledger"][: len(before["ledger"])] == before["ledger"]  # history kept as checkpointed
+    keys = [(e["epoch"], e["id"]) for e in after["ledger"]]
+    assert len(keys) == len(set(keys))  # no (epoch, prompt) has two outcomes
+    trained = [e for e in after["ledger"] if e["outcome"] == "trained"]
+    assert len(trained) == 20 * cfg.train.prompts_per_step
+    # nothing skipped: every prompt drawn so far has an outcome or is waiting to be drawn again
+    sampler = PromptSampler([p.id for p in arithmetic_split("train", 60)], cfg.seed)
+    sampler.load_state_dict(after["sampler"])
+    pending = {(t["epoch"], t["id"]) for t in after["sampler"]["requeued"]}
+    for epoch in range(after["sampler"]["epoch"] + 1):
+        drawn = {(epoch, i) for i in sampler.issued(epoch)}
+        assert drawn == {k for k in keys if k[0] == epoch} | {k for k in pending if k[0] == epoch}
+    assert not pending & set(keys)
