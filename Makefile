@@ -4,9 +4,9 @@
 setup:
 	bash scripts/setup.sh
 
-# The main job on the embedded default. Until the controller lands this is the objectives demo.
+# The main job on the embedded default: RL training of SmolLM2-135M on arithmetic with DRPO, local Ray.
 run: setup
-	.venv/bin/drpo demo
+	.venv/bin/drpo train
 
 # The whole test suite, markers included (CI runs exactly this).
 test: setup

@@ -31,12 +31,31 @@ class GroupResult:
 
 
 @dataclass(frozen=True)
+class Started:
+    """A worker began generating a submission, serving weights of ``version``."""
+
+    problem_id: str
+    tag: str
+    worker: int
+    version: int
+
+
+@dataclass(frozen=True)
 class TrainResult:
     version: int
     """The learner's policy version after the step."""
     tokens: int
     seconds: float
     metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Events:
+    """What ``Backend.wait`` returns: anything may be empty."""
+
+    groups: list[GroupResult] = field(default_factory=list)
+    trained: TrainResult | None = None
+    started: list[Started] = field(default_factory=list)
 
 
 class Backend(ABC):
@@ -59,8 +78,9 @@ class Backend(ABC):
         """Start one training step on ``groups`` (consumed at learner ``version``); returns at once."""
 
     @abstractmethod
-    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
-        """Block until at least one group or the running training step finishes."""
+    def wait(self) -> Events:
+        """Block until something happens: groups finish or start, the training step ends, or a
+        publication reaches a worker."""
 
     @abstractmethod
     def publish(self, version: int, wait: bool) -> float:

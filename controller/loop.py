@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller.backend import Backend, GroupResult, TrainResult
+from controller.backend import Backend, Events, GroupResult, TrainResult
 from controller.config import RunConfig
 from controller.ledger import Ledger, PromptSampler, Ticket
 from controller.staleness import StalenessManager
@@ -31,8 +31,8 @@ STATE_FILE = "controller.json"
 @dataclass
 class _Flight:
     worker: int
-    start_bound: int
-    """A lower bound on the version its oldest token will have (the worker's version at submit)."""
+    started: int | None = None
+    """The version the worker served when it began this group (None while queued)."""
 
 
 @dataclass
@@ -72,10 +72,7 @@ class Controller:
             self.evaluate(blocking=True)
         while self.step < self.cfg.train.steps:
             self.admit()
-            groups, trained = self.backend.wait()
-            self.score(groups)
-            if trained is not None:
-                self.finish_step(trained)
+            self.handle(self.backend.wait())
             self.maybe_train()
         self.requeue_unstarted()
         if self.test:
@@ -89,8 +86,23 @@ class Controller:
             ticket = self.sampler.next()
             worker = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[worker] += 1
-            self.in_flight[ticket] = _Flight(worker, self.backend.worker_version(worker))
+            self.in_flight[ticket] = _Flight(worker)
             self.backend.submit(worker, self.problems[ticket.id], f"train/{ticket.epoch}", self.cfg.rollout.samples_per_prompt)
+
+    def handle(self, events: Events) -> None:
+        for s in events.started:
+            kind, _, key = s.tag.partition("/")
+            flight = self.in_flight.get(Ticket(int(key), s.problem_id)) if kind == "train" else None
+            if flight is not None:
+                flight.started = s.version
+        self.score(events.groups)
+        if events.trained is not None:
+            self.finish_step(events.trained)
+
+    def _start_bound(self, flight: _Flight) -> int:
+        """A lower bound on the version of a running group's oldest token: the version it started
+        under, or for one still queued, the version its worker serves now (it can only go up)."""
+        return flight.started if flight.started is not None else self.backend.worker_version(flight.worker)
 
     def score(self, groups: list[GroupResult]) -> None:
         for g in groups:
@@ -119,7 +131,7 @@ class Controller:
         if self.training is not None or self.step >= self.cfg.train.steps:
             return
         expiring = self.version - self.cfg.train.max_staleness
-        if self.cfg.train.over_bound == "wait" and any(f.start_bound <= expiring for f in self.in_flight.values()):
+        if self.cfg.train.over_bound == "wait" and any(self._start_bound(f) <= expiring for f in self.in_flight.values()):
             return
         for ticket, g in [item for item in self.buffer if not self.staleness.is_fresh(item[1].oldest_version)]:
             self.buffer.remove((ticket, g))
@@ -155,10 +167,7 @@ class Controller:
         for i, p in enumerate(self.test):
             self.backend.submit(i % self.backend.workers, p, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
         while blocking and rnd in self.evals:
-            groups, trained = self.backend.wait()
-            self.score(groups)
-            if trained is not None:
-                self.finish_step(trained)
+            self.handle(self.backend.wait())
 
     def _eval_result(self, rnd: int, g: GroupResult) -> None:
         ev = self.evals[rnd]
@@ -202,7 +211,7 @@ class Controller:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.backend.save(str(tmp))
-        pending = sorted(self.in_flight, key=lambda t: self.in_flight[t].start_bound) + [t for t, _ in self.buffer]
+        pending = sorted(self.in_flight, key=lambda t: self._start_bound(self.in_flight[t])) + [t for t, _ in self.buffer]
         stats = self.staleness.stats()
         state = {
             "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),

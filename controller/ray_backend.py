@@ -1,7 +1,7 @@
 """The real backend: RolloutWorker actors and a LearnerGroup on a Ray cluster.
 
 Rollout workers sit in a placement group of their own (one bundle each, SPREAD across nodes); the
-learner group places itself (PACK). Finished groups come back through one long-poll ``collect`` per
+learner group places itself (PACK). Finished groups come back through one long-poll ``poll`` per
 worker, waited on together with the running training step, so one ``ray.wait`` serves hundreds of
 workers. Publications go through the object store; every worker swaps them in between two decoding
 steps, and the backend learns which version a worker serves when its ``update_weights`` returns.
@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from controller.backend import Backend, GroupResult, TrainResult
+from controller.backend import Backend, Events, GroupResult, Started, TrainResult
 from controller.batch import build_train_batch, decoupled_anchor
 from controller.config import RunConfig
 from learner.group import LearnerGroup
@@ -23,7 +23,7 @@ from rollout.tasks import Problem
 from rollout.worker import RolloutWorker, ScoredGroup
 
 COLLECT_POLL_SECONDS = 2.0
-"""How long one collect call may wait for a group: bounds the latency of noticing a dead worker."""
+"""How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
 
 def merge_step_metrics(steps: list) -> tuple[dict[str, float], int, float]:
@@ -75,7 +75,7 @@ class RayBackend(Backend):
         self.pad_id = 0
         self._serving = [0] * self.workers
         self._acks: dict = {}
-        self._collects = {a.collect.remote(1, COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
+        self._collects = {a.poll.remote(COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
         self._train: list | None = None
 
     def now(self) -> float:
@@ -96,23 +96,26 @@ class RayBackend(Backend):
         self._train_extra = extra
         self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
 
-    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
+    def wait(self) -> Events:
         pending = list(self._collects) + (self._train or []) + list(self._acks)  # an ack can open admission
         ray.wait(pending, num_returns=1)
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         ready = set(ready)
         groups: list[GroupResult] = []
+        started: list[Started] = []
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
-            groups += [self._result(worker, g) for g in ray.get(ref)]
-            self._collects[self.actors[worker].collect.remote(1, COLLECT_POLL_SECONDS)] = worker
+            finished, began = ray.get(ref)
+            groups += [self._result(worker, g) for g in finished]
+            started += [Started(pid, tag, worker, version) for pid, tag, version in began]
+            self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
         trained = None
         if self._train and all(r in ready for r in self._train):
             per_rank, self._train = ray.get(self._train), None
             values, tokens, seconds = merge_step_metrics(per_rank[0])
             values.update(self._train_extra)
             trained = TrainResult(per_rank[0][-1].version, tokens, seconds, values)
-        return groups, trained
+        return Events(groups, trained, started)
 
     @staticmethod
     def _result(worker: int, g: ScoredGroup) -> GroupResult:

@@ -14,7 +14,7 @@ import math
 import random
 from collections import deque
 
-from controller.backend import Backend, GroupResult, TrainResult
+from controller.backend import Backend, Events, GroupResult, Started, TrainResult
 from controller.config import SimulationConfig
 from rollout.tasks import Problem
 
@@ -39,6 +39,7 @@ class SimulatedBackend(Backend):
         self._serving = [0] * workers
         self._learner_version = 0
         self.busy_seconds = {"rollout": 0.0, "train": 0.0}
+        self._started: list[Started] = []
 
     def now(self) -> float:
         return self.clock
@@ -59,6 +60,7 @@ class SimulatedBackend(Backend):
         self.busy_seconds["rollout"] += seconds
         rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
         group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
+        self._started.append(Started(problem_id, tag, worker, self._serving[worker]))
         self._at(seconds, ("group", group))
 
     def cancel_queued(self) -> list[tuple[str, str]]:
@@ -73,9 +75,12 @@ class SimulatedBackend(Backend):
         tokens = sum(g.tokens for g in groups)
         self._at(seconds, ("train", TrainResult(version + 1, tokens, seconds, {"learner/loss": 0.0})))
 
-    def wait(self) -> tuple[list[GroupResult], TrainResult | None]:
+    def wait(self) -> Events:
         """Advance to the next event time and return what finished then (a publication arriving
         returns empty-handed: it can open admission)."""
+        if self._started:  # starts happen at submit time: report them before time moves
+            started, self._started = self._started, []
+            return Events(started=started)
         if not self._events:
             raise RuntimeError("simulation deadlock: the controller waits but nothing is running")
         groups: list[GroupResult] = []
@@ -94,7 +99,8 @@ class SimulatedBackend(Backend):
             else:  # "weights": a publication arrives at a worker
                 worker, version = payload
                 self._serving[worker] = max(self._serving[worker], version)
-        return groups, trained
+        started, self._started = self._started, []
+        return Events(groups, trained, started)
 
     def publish(self, version: int, wait: bool) -> float:
         delay = self.cfg.publish_seconds

@@ -70,6 +70,7 @@ class RolloutWorker:
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
         self._inbox: queue.Queue[tuple[Problem, str, int] | None] = queue.Queue()
         self._outbox: list[ScoredGroup] = []
+        self._started: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._in_flight = 0
@@ -103,6 +104,18 @@ class RolloutWorker:
                 if len(self._outbox) >= min_groups or time.time() >= deadline:
                     out, self._outbox = self._outbox, []
                     return out
+            time.sleep(0.05)
+
+    def poll(self, timeout_s: float = 0.0) -> tuple[list[ScoredGroup], list[tuple[str, str, int]]]:
+        """Finished groups and started submissions ((problem id, tag, version served at start)),
+        waiting up to ``timeout_s`` for either."""
+        deadline = time.time() + timeout_s
+        while True:
+            with self._lock:
+                if self._outbox or self._started or time.time() >= deadline:
+                    out, started = self._outbox, self._started
+                    self._outbox, self._started = [], []
+                    return out, started
             time.sleep(0.05)
 
     def update_weights(self, bucket_refs: list) -> int:
@@ -141,6 +154,7 @@ class RolloutWorker:
                 batch.append(nxt)
             with self._lock:
                 self._in_flight += len(batch)
+                self._started += [(p.id, tag, self.engine.version) for p, tag, _ in batch]
             groups = self._generate([p for p, _, _ in batch], item[1], item[2])
             with self._lock:
                 self._in_flight -= len(batch)

@@ -1,0 +1,100 @@
+"""Controller benchmarks (from the repo root):
+
+    .venv/bin/python -m benchmarks.controller.run            # simulation only (seconds)
+    .venv/bin/python -m benchmarks.controller.run --real 4   # + the embedded default, sync vs async
+
+Simulation: the Controller over SimulatedBackend with balanced stages (W workers at 1 group/s each,
+a training step of B = 4W groups taking 4 s, so both stages run at W groups/s). Reports async
+throughput / ideal bound (the slower stage's rate), sync likewise, and async / sync. Zero-variance
+filtering is off so every generated group counts toward the bound.
+
+Real: the embedded default (SmolLM2-135M, arithmetic, DRPO) for a few steps in sync mode (2 torch
+threads per actor: the stages alternate) and async mode (1 thread each: they overlap), side by
+side in one process on one local Ray cluster; seconds per step and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+
+from controller.app import train
+from controller.config import load_config
+
+WORKERS = (1, 8, 64, 256)
+
+
+def step_records(run_dir: str) -> list[dict]:
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "step"]
+
+
+def simulate(workers: int, mode: str, steps: int, eta: int, gen_cv: float) -> float:
+    """Trained groups per simulated second."""
+    batch = 4 * workers
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(overrides=[
+            f"run_dir={tmp}", f"rollout.workers={workers}", "rollout.samples_per_prompt=4", f"train.mode={mode}",
+            f"train.max_staleness={0 if mode == 'sync' else eta}", f"train.steps={steps}", f"train.prompts_per_step={batch}",
+            "advantages.filter_zero_variance=false", "eval.at_start=false", "eval.every=0", "checkpoint.every=0",
+            "metrics.port=null", "metrics.progress=false", "task.test_size=1", f"task.train_size={batch * 4}",
+            f"simulation={{gen_seconds: 1.0, gen_cv: {gen_cv}, train_seconds: 4.0, train_cv: 0.1}}",
+        ])
+        result = train(cfg)
+        # measured up to the last step: the final held-out evaluation (1 prompt) is excluded
+        return result.steps * batch / step_records(tmp)[-1]["time"]
+
+
+def simulation_table(steps: int, eta: int, gen_cv: float) -> None:
+    print(f"simulation: balanced stages (ideal W groups/s), eta = {eta}, generation cv = {gen_cv}, {steps} steps")
+    print(f"{'workers':>8} {'async/ideal':>12} {'sync/ideal':>11} {'async/sync':>11}")
+    for w in WORKERS:
+        a, s = simulate(w, "async", steps, eta, gen_cv), simulate(w, "sync", steps, eta, gen_cv)
+        print(f"{w:>8} {a / w:>12.3f} {s / w:>11.3f} {a / s:>11.2f}")
+
+
+def real(steps: int) -> None:
+    import ray
+
+    from controller.cli import _init_ray
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_config()
+        _init_ray(base)
+        for mode, threads, eta in (("sync", 2, 0), ("async", 1, 1)):
+            cfg = load_config(overrides=[
+                f"run_dir={tmp}/{mode}", f"train.mode={mode}", f"train.max_staleness={eta}", f"train.steps={steps}",
+                f"rollout.threads={threads}", f"learner_resources.threads={threads}", "eval.at_start=false", "eval.every=0",
+                "checkpoint.every=0", "metrics.progress=false", "task.test_size=8",
+            ])
+            train(cfg)
+            recs = step_records(f"{tmp}/{mode}")[1:]  # the first step includes engine warm-up
+            rows[mode] = (
+                statistics.median(r["step_seconds"] for r in recs),
+                statistics.median(r["learner/tokens"] / r["step_seconds"] for r in recs),
+            )
+        ray.shutdown()
+    print(f"\nreal: embedded default, {steps} steps per mode (first excluded), medians")
+    print(f"{'mode':>6} {'s/step':>8} {'trained tokens/s':>17}")
+    for mode, (sec, tps) in rows.items():
+        print(f"{mode:>6} {sec:>8.1f} {tps:>17.1f}")
+    print(f"async/sync speed-up: {rows['sync'][0] / rows['async'][0]:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100, help="simulated steps per point")
+    parser.add_argument("--eta", type=int, default=2)
+    parser.add_argument("--gen-cv", type=float, default=0.5)
+    parser.add_argument("--real", type=int, default=0, metavar="STEPS", help="also run the embedded default for STEPS steps per mode")
+    args = parser.parse_args()
+    simulation_table(args.steps, args.eta, args.gen_cv)
+    if args.real:
+        real(args.real)
+
+
+if __name__ == "__main__":
+    main()
