@@ -55,6 +55,8 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
     train_set, test_set = problems(cfg)
     backend = backend or make_backend(cfg)
     telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now)
+    if getattr(backend, "placement", None):
+        telemetry.placement(backend.placement)
     try:
         ctl = Controller(cfg, backend, train_set, test_set, telemetry)
         if checkpoint is not None:

@@ -128,7 +128,8 @@ class SimulationConfig(_Config):
 
 
 class RunConfig(_Config):
-    """One training run. The defaults are the embedded default (``drpo train`` with no arguments)."""
+    """One training run. ``presets/default.yaml`` is the embedded default (``drpo train`` with no
+    arguments); field defaults are neutral starting points for hand-written configs."""
 
     run_dir: str = Field("runs/default", description="Run folder: config, metrics.jsonl, checkpoints.")
     seed: int = Field(0, description="Seed of prompt order and sampling.")

@@ -71,7 +71,11 @@ class RayBackend(Backend):
             )
             for i in range(ro.workers)
         ]
-        ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
+        beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
+        self.placement = {
+            "learner": ray.get([w.node_id.remote() for w in self.learner.workers]),
+            "rollout": [b["node_id"] for b in beats],
+        }
         self.pad_id = 0
         self._serving = [0] * self.workers
         self._acks: dict = {}

@@ -110,6 +110,10 @@ class Telemetry:
         self.evals.append(record)
         self._publish({"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}, record)
 
+    def placement(self, nodes: dict[str, list[str]]) -> None:
+        """Which Ray node each learner rank and rollout worker runs on."""
+        self._write({"kind": "placement", "time": self.clock(), **nodes})
+
     def checkpoint(self, path: Path) -> None:
         self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})
 

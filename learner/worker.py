@@ -28,6 +28,9 @@ class LearnerWorker:
         """Where rank 0 will listen for the process group (called on rank 0 only)."""
         return ray.util.get_node_ip_address(), distributed.free_port()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
         """Join the process group and load the model; every rank must call this concurrently."""
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port)

@@ -127,8 +127,12 @@ class RolloutWorker:
         return buckets[-1].version
 
     def heartbeat(self) -> dict:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         with self._lock:
             return {
+                "node_id": node,
                 "alive": self._thread.is_alive(), "version": self.engine.version, "queue_depth": self._inbox.qsize(),
                 "in_flight": self._in_flight, "groups": self._stats.groups, "tokens": self._stats.tokens,
                 "failures": self._stats.failures, "last_step_time": self._stats.last_step,

@@ -18,9 +18,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory, smollm2_folder):
-    """2 layers, hidden 32, SmolLM2's 49,152-token vocabulary and chat template. The output head is
-    zero except for the digit and end-of-turn rows (random), so replies are short digit strings:
-    some right, most wrong, which gives groups reward variance to learn from."""
+    """2 layers, hidden 32, SmolLM2's 49,152-token vocabulary and chat template, random weights with
+    two edits so replies are short digit strings (some right, most wrong: groups with reward
+    variance to learn from). The small random layers leave the residual stream close to the input
+    token's embedding, so: every embedding carries +10 in hidden dimension 0 and digits also in
+    dimension 1; the output head's digit rows read dimension 0 and its end-of-turn row mostly
+    dimension 1. A reply starts with a digit and most often ends right after it."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-chat-llama")
@@ -33,10 +36,14 @@ def tiny_chat_model(tmp_path_factory, smollm2_folder):
         num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     model = LlamaForCausalLM(cfg)
-    rows = tok.convert_tokens_to_ids(list("0123456789")) + [2]
+    digits = tok.convert_tokens_to_ids(list("0123456789"))
     with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.model.embed_tokens.weight[digits, 1] = 10.0
         head = torch.zeros_like(model.lm_head.weight)
-        head[rows] = torch.randn(len(rows), cfg.hidden_size) * 0.3
+        head[digits] = torch.randn(len(digits), cfg.hidden_size) * 0.5
+        head[digits, 0], head[digits, 1] = 2.5, 0.0
+        head[2, 0], head[2, 1] = 2.0, 1.5
         model.lm_head.weight.copy_(head)
     model.save_pretrained(folder)
     return folder
@@ -95,3 +102,15 @@ def test_resume_after_a_stop_continues_the_ledger(ray_local, tiny_chat_model, tm
     assert sum(e["outcome"] == "trained" for e in after["ledger"]) == 5 * cfg.train.prompts_per_step
     resumed_steps = [s["step"] for s in records(tmp_path / "run", "step")][4:]
     assert resumed_steps == [3, 4, 5]  # the resumed session picked up at step 3
+
+
+def test_sync_mode_with_the_decoupled_anchor_trains_on_policy(ray_local, tiny_chat_model, tmp_path):
+    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, anchor="decoupled", mini_batches=2)
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"at_start": False, "every": 0})})
+    train(cfg)
+    steps = records(tmp_path / "run", "step")
+    assert [s["version"] for s in steps] == [1, 2, 3]  # two updates per batch, one version
+    assert all(s["staleness/lag_max"] == 0 and s["learner/updates"] == 2 for s in steps)
+    # on-policy with fp32 on both sides: the behaviour weight proximal/mu is 1 up to float error
+    assert all(abs(s["controller/behaviour_weight_mean"] - 1.0) < 1e-3 for s in steps)
+    assert all(s["staleness/lag_hist/bin_0"] == cfg.train.prompts_per_step for s in steps)
