@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +57,8 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
     telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now)
     if getattr(backend, "placement", None):
         telemetry.placement(backend.placement)
+    if telemetry.exporter is not None and cfg.metrics.progress:
+        print(f"drpo train: Prometheus metrics on http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics", file=sys.stderr)
     try:
         ctl = Controller(cfg, backend, train_set, test_set, telemetry)
         if checkpoint is not None:

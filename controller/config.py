@@ -124,6 +124,7 @@ class SimulationConfig(_Config):
     publish_seconds: float = Field(0.0, ge=0.0, description="Delay before a worker serves a publication.")
     accuracy: float = Field(0.3, ge=0.0, le=1.0, description="Probability a simulated sample is rewarded.")
     tokens_per_sample: int = Field(16, ge=1, description="Response tokens a simulated sample reports.")
+    failure_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a simulated group fails (engine error).")
     seed: int = Field(0, description="Seed of the sampled durations and rewards.")
 
 

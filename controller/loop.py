@@ -26,6 +26,8 @@ from controller.telemetry import Telemetry
 from rollout.tasks import Problem
 
 STATE_FILE = "controller.json"
+MAX_FAILURES_IN_A_ROW = 200
+"""Stop the run when this many groups fail back to back (a broken engine or reward, not bad luck)."""
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Controller:
         self.evals: dict[int, _Eval] = {}
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
+        self.failures_in_a_row = 0
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -113,16 +116,24 @@ class Controller:
             ticket = Ticket(int(key), g.problem_id)
             flight = self.in_flight.pop(ticket)
             self.load[flight.worker] -= 1
+            self.telemetry.group(g)
             if g.error is not None:
                 self.staleness.on_rejected()
                 self.ledger.record(ticket, "failed", self.step, reason=g.error)
-            elif self.cfg.advantages.filter_zero_variance and max(g.rewards) == min(g.rewards):
+                self._count_failure(g.error)
+                continue
+            self.failures_in_a_row = 0
+            if self.cfg.advantages.filter_zero_variance and max(g.rewards) == min(g.rewards):
                 self.staleness.on_rejected()
                 self.ledger.record(ticket, "filtered", self.step, reason=f"all rewards {g.rewards[0]:g}")
             else:
                 self.staleness.on_accepted()
                 self.buffer.append((ticket, g))
-            self.telemetry.group(g)
+
+    def _count_failure(self, error: str) -> None:
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+            raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, the last with: {error}")
 
     # ---- training -----------------------------------------------------------------------------------
 
@@ -169,9 +180,10 @@ class Controller:
         while blocking and rnd in self.evals:
             self.handle(self.backend.wait())
 
-    def _eval_result(self, rnd: int, g: GroupResult) -> None:
+    def _eval_result(self, rnd: int, g: GroupResult | None) -> None:
         ev = self.evals[rnd]
-        ev.results.append(g)
+        if g is not None:
+            ev.results.append(g)
         if len(ev.results) < ev.expected:
             return
         del self.evals[rnd]
@@ -199,6 +211,7 @@ class Controller:
                 self.sampler.requeue([ticket])
             else:
                 self.evals[int(key)].expected -= 1
+                self._eval_result(int(key), None)
 
     def checkpoint(self) -> Path:
         """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.

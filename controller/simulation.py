@@ -59,7 +59,10 @@ class SimulatedBackend(Backend):
         seconds = lognormal(self.rng, self.cfg.gen_seconds, self.cfg.gen_cv)
         self.busy_seconds["rollout"] += seconds
         rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
-        group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
+        if self.rng.random() < self.cfg.failure_rate:
+            group = GroupResult(problem_id, tag, worker, (), None, 0, error="simulated engine failure")
+        else:
+            group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
         self._started.append(Started(problem_id, tag, worker, self._serving[worker]))
         self._at(seconds, ("group", group))
 

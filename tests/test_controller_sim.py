@@ -120,3 +120,16 @@ def test_resume_after_a_crash_neither_reconsumes_nor_skips_prompts(tmp_path):
         drawn = {(epoch, i) for i in sampler.issued(epoch)}
         assert drawn == {k for k in keys if k[0] == epoch} | {k for k in pending if k[0] == epoch}
     assert not pending & set(keys)
+
+
+def test_failed_groups_are_recorded_and_replaced(tmp_path):
+    cfg = sim_config(tmp_path, workers=4, steps=10, sim={"failure_rate": 0.3})
+    result = train(cfg)
+    assert result.ledger_counts["failed"] > 0
+    assert result.ledger_counts["trained"] == 10 * cfg.train.prompts_per_step
+
+
+def test_a_run_whose_rollouts_always_fail_stops_with_the_reason(tmp_path):
+    cfg = sim_config(tmp_path, workers=4, steps=10, sim={"failure_rate": 1.0})
+    with pytest.raises(RuntimeError, match="failed in a row, the last with: simulated engine failure"):
+        train(cfg)
