@@ -229,7 +229,7 @@ class Controller:
         state = {
             "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
-            "staleness": {"accepted": stats.accepted - len(self.buffer), "rejected": stats.rejected},
+            "staleness": {"accepted": stats.accepted - len(self.buffer), "rejected": stats.rejected, "admitted": stats.admitted},
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)

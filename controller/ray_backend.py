@@ -42,6 +42,15 @@ def merge_step_metrics(steps: list) -> tuple[dict[str, float], int, float]:
     return values, sum(s.tokens for s in steps), sum(s.seconds for s in steps)
 
 
+def token_lag_histogram(batch) -> dict[str, float]:
+    """staleness/token_lag_hist/bin_i: response tokens per version lag (last bin: that lag or more)."""
+    from controller.telemetry import LAG_BINS
+
+    lags = batch.version_lag[batch.response_mask].clamp(max=LAG_BINS - 1)
+    counts = lags.bincount(minlength=LAG_BINS).tolist()
+    return {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
+
+
 class RayBackend(Backend):
     def __init__(self, cfg: RunConfig, model_folder: str | None = None):
         from rollout.offline_model import materialize_smollm2
@@ -93,7 +102,7 @@ class RayBackend(Backend):
 
     def start_train(self, groups: list[GroupResult], version: int) -> None:
         batch = build_train_batch([g.payload for g in groups], version, self.cfg.advantages, self.pad_id)
-        extra = {}
+        extra = token_lag_histogram(batch)
         if self.cfg.train.anchor == "decoupled":
             proximal = self.learner.compute_logprobs(batch.input_ids)
             batch, extra["controller/behaviour_weight_mean"] = decoupled_anchor(batch, proximal, self.cfg.train.behaviour_weight_cap)

@@ -35,6 +35,7 @@ class StalenessStats:
     running: int
     rejected: int
     capacity: int
+    admitted: int
 
 
 class StalenessManager:
@@ -52,7 +53,7 @@ class StalenessManager:
         self._version = version
         self._serving = serving_version or version
         self._lock = threading.Lock()
-        self._accepted = self._running = self._rejected = 0
+        self._accepted = self._running = self._rejected = self._admitted = 0
 
     def _capacity(self) -> int:
         limit = (self.max_staleness + min(self._version(), self._serving()) + 1) * self.batch_size - (self._accepted + self._running)
@@ -66,6 +67,7 @@ class StalenessManager:
             if self._capacity() <= 0:
                 return None
             self._running += 1
+            self._admitted += 1
             return self._version()
 
     def on_accepted(self) -> None:
@@ -109,16 +111,17 @@ class StalenessManager:
 
     def stats(self) -> StalenessStats:
         with self._lock:
-            return StalenessStats(self._version(), self._accepted, self._running, self._rejected, max(0, self._capacity()))
+            return StalenessStats(self._version(), self._accepted, self._running, self._rejected, max(0, self._capacity()), self._admitted)
 
     def state_dict(self) -> dict:
         """Counters to checkpoint; in-flight rollouts are re-queued on resume, so running is not saved."""
         with self._lock:
-            return {"accepted": self._accepted, "rejected": self._rejected}
+            return {"accepted": self._accepted, "rejected": self._rejected, "admitted": self._admitted}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self._accepted, self._rejected, self._running = int(state["accepted"]), int(state["rejected"]), 0
+            self._admitted = int(state.get("admitted", 0))
 
     def _require_running(self) -> None:
         if self._running <= 0:

@@ -2,15 +2,14 @@
 
 Every step appends one JSON line of namespaced floats (``learner/``, ``objective/``, ``gap/``,
 ``staleness/``, ``rollout/``, ``reward/``, ``ledger/``); evaluations and checkpoints append their own
-lines with a ``kind`` field. The same values are served as Prometheus gauges named
-``drpo_<namespace>_<name>`` on ``metrics.host:port`` (127.0.0.1 by default).
+lines with a ``kind`` field. The same values are served in Prometheus format
+(families and names: controller/prometheus.py) on ``metrics.host:port`` (127.0.0.1 by default).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -18,44 +17,13 @@ from typing import TYPE_CHECKING
 
 from controller.backend import GroupResult, TrainResult
 from controller.config import MetricsConfig
+from controller.prometheus import PrometheusExporter
 
 if TYPE_CHECKING:
     from controller.loop import Controller
 
 LAG_BINS = 8
 """staleness/lag_hist has bins 0..LAG_BINS-2 and one overflow bin."""
-
-
-def prometheus_name(key: str) -> str:
-    return "drpo_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-
-
-class PrometheusExporter:
-    """Gauges in a private registry, served over HTTP from a daemon thread."""
-
-    def __init__(self, host: str, port: int):
-        from prometheus_client import CollectorRegistry, start_http_server
-
-        self.registry = CollectorRegistry()
-        self._gauges: dict[str, object] = {}
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.host, self.port = host, self.server.server_port
-
-    def set(self, values: dict[str, float]) -> None:
-        from prometheus_client import Gauge
-
-        for key, value in values.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            name = prometheus_name(key)
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                gauge = self._gauges[name] = Gauge(name, f"drpo metric {key}", registry=self.registry)
-            gauge.set(value)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Telemetry:
@@ -95,7 +63,8 @@ class Telemetry:
             "rollout/publish_seconds": publish_seconds,
             "staleness/lag_mean": sum(lags) / max(1, len(lags)), "staleness/lag_max": max(lags, default=0),
             "staleness/accepted": stats.accepted, "staleness/running": stats.running, "staleness/rejected": stats.rejected,
-            "staleness/capacity": stats.capacity, "staleness/buffered": len(ctl.buffer), "staleness/max": ctl.cfg.train.max_staleness,
+            "staleness/capacity": stats.capacity, "staleness/admitted": stats.admitted,
+            "rollout/queue_depth": sum(ctl.load), "staleness/buffered": len(ctl.buffer), "staleness/max": ctl.cfg.train.max_staleness,
             **{f"staleness/lag_hist/bin_{i}": sum(min(lag, LAG_BINS - 1) == i for lag in lags) for i in range(LAG_BINS)},
             **{f"ledger/{k}": v for k, v in ctl.ledger.counts().items()},
             **result.metrics,

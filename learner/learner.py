@@ -201,6 +201,7 @@ class Learner:
         normalizer, tokens = self._global_normalizer(batch)
         dp = self._dp_size()
         acc = MetricAccumulator()
+        delta = getattr(self.cfg.objective, "delta", None)  # the trust region, for gap/beyond_delta_frac
         total_loss = torch.zeros((), device=self.device)
         for mb in batch.to(self.device).micro_batches(self.cfg.micro_batch_size):
             stats = self.token_logprobs(mb.input_ids)
@@ -210,9 +211,9 @@ class Learner:
             (loss * dp).backward()
             total_loss += loss.detach()
             acc.add("objective/", out.metrics)
-            acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, entropy=stats.entropy))
+            acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, delta, entropy=stats.entropy))
             if mb.version_lag is not None:
-                by_lag = gap_metrics_by_lag(stats.logp, mb.rollout_logp, mb.version_lag, mb.response_mask)
+                by_lag = gap_metrics_by_lag(stats.logp, mb.rollout_logp, mb.version_lag, mb.response_mask, delta)
                 acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
         self.model.finish_grad_sync()
         grad_norm = self.optimizer.step()

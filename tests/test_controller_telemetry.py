@@ -6,28 +6,41 @@ import json
 import urllib.request
 
 from controller.cli import main
-from controller.telemetry import PrometheusExporter, prometheus_name
+from controller.prometheus import CATALOG, PrometheusExporter, series
 
 
 def test_prometheus_endpoint_serves_gauges_on_loopback():
     exporter = PrometheusExporter("127.0.0.1", 0)
     try:
-        exporter.set({"gap/numerics/abs_shift_mean": 0.25, "staleness/lag_hist/bin_1": 3, "note": "text is skipped"})
+        exporter.set({
+            "gap/numerics/abs_shift_mean": 0.25, "gap/staleness/abs_shift_mean": 0.5, "gap/abs_shift_mean": 0.4,
+            "staleness/lag_hist/bin_1": 3, "ledger/trained": 16, "ledger/stale": 2, "objective/corrective_frac": 0.01,
+            "rollout/publish_seconds": 1.5, "note": "text is skipped",
+        })
         assert exporter.server.server_address[0] == "127.0.0.1"
         body = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
-        assert "drpo_gap_numerics_abs_shift_mean 0.25" in body
-        assert "drpo_staleness_lag_hist_bin_1 3.0" in body
+        assert 'drpo_gap_abs_shift_mean{lag="0"} 0.25' in body and 'drpo_gap_abs_shift_mean{lag="1+"} 0.5' in body
+        assert 'drpo_gap_abs_shift_mean{lag="all"} 0.4' in body
+        assert 'drpo_staleness_group_lag_groups{lag="1"} 3.0' in body
+        assert 'drpo_prompts_total{outcome="trained"} 16.0' in body and "# TYPE drpo_prompts_total counter" in body
+        assert "drpo_objective_corrective_ratio 0.01" in body and "drpo_rollout_weight_update_seconds 1.5" in body
         assert "note" not in body
-        exporter.set({"gap/numerics/abs_shift_mean": 0.5})
+        exporter.set({"gap/numerics/abs_shift_mean": 0.75})
         body = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
-        assert "drpo_gap_numerics_abs_shift_mean 0.5" in body
+        assert 'drpo_gap_abs_shift_mean{lag="0"} 0.75' in body
     finally:
         exporter.close()
 
 
-def test_prometheus_names_are_legal():
-    assert prometheus_name("objective/weight_hist/bin_0") == "drpo_objective_weight_hist_bin_0"
-    assert prometheus_name("gap/p99-x.y") == "drpo_gap_p99_x_y"
+def test_metric_keys_map_to_conventional_families():
+    assert series("objective/weight_hist/bin_0") == ("drpo_objective_weight_hist", {"bin": "0"})
+    assert series("gap/staleness/kl_k3") == ("drpo_gap_kl_k3", {"lag": "1+"})
+    assert series("gap/beyond_delta_frac") == ("drpo_gap_beyond_delta_ratio", {"lag": "all"})
+    assert series("objective/masked_frac_pos_adv") == ("drpo_objective_masked_ratio_pos_adv", {})
+    assert series("staleness/token_lag_hist/bin_3") == ("drpo_staleness_token_age_tokens", {"lag": "3"})
+    assert series("learner/seconds") == ("drpo_learner_step_duration_seconds", {})
+    for name, family in CATALOG.items():
+        assert name == family.name and name.startswith("drpo_") and family.kind in ("gauge", "counter")
 
 
 def test_drpo_train_simulate_writes_metrics_and_a_summary(tmp_path, capsys):

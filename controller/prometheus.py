@@ -1,0 +1,166 @@
+"""The Prometheus view of a run's metrics: the catalog of metric families and the HTTP exporter.
+
+Every step's namespaced keys (``gap/numerics/abs_shift_p99``, ``staleness/lag_hist/bin_2``,
+``ledger/trained`` …) map to Prometheus families following its conventions: a ``drpo_`` prefix,
+base units in the name (``_seconds``, ``_tokens``), ``_ratio`` for fractions, ``_total`` for counters,
+and labels instead of name parts for the version lag of a gap metric (``lag="0"`` numerics,
+``lag="1+"`` staleness, ``lag="all"``), histogram bins (``bin``) and ledger outcomes (``outcome``).
+``CATALOG`` documents the families dashboards and alerts rely on; any other key is still exported
+under its mechanical name. The exporter serves a snapshot of the latest values (a collector, not
+client-side gauges, so labels come from the keys).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # "gauge" or "counter"
+    help: str
+
+
+_GAP = {
+    "abs_shift_mean": "mean |pi - mu| over sampled tokens", "abs_shift_max": "max |pi - mu|",
+    "abs_shift_p50": "median |pi - mu|", "abs_shift_p90": "90th percentile |pi - mu|", "abs_shift_p99": "99th percentile |pi - mu|",
+    "kl_k1": "k1 estimate of KL(mu||pi)", "kl_k3": "k3 estimate of KL(mu||pi) (unbiased, >= 0)", "chi2": "chi^2(pi||mu) estimate",
+    "ratio_p01": "1st percentile of pi/mu", "ratio_p50": "median pi/mu", "ratio_p99": "99th percentile of pi/mu",
+    "ratio_max": "max pi/mu", "beyond_delta_ratio": "fraction of tokens with |pi - mu| > delta",
+    "entropy_mean": "learner entropy per token (nats)",
+}
+
+CATALOG: dict[str, Family] = {
+    **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap: {h}; label lag = 0 (numerics), 1+ (staleness), all") for k, h in _GAP.items()},
+    "drpo_objective_regularizer_mean": Family("drpo_objective_regularizer_mean", "gauge", "DRPO quadratic term |A|/(2 delta) mu (r-1)^2, mean per token"),
+    "drpo_objective_regularizer_share": Family("drpo_objective_regularizer_share", "gauge", "Regularizer's share of the loss magnitude"),
+    "drpo_objective_weight_hist": Family("drpo_objective_weight_hist", "gauge", "Tokens per bin of the DRPO gradient weight w (label bin)"),
+    "drpo_objective_weight_mean": Family("drpo_objective_weight_mean", "gauge", "Mean DRPO gradient weight w"),
+    "drpo_objective_corrective_ratio": Family("drpo_objective_corrective_ratio", "gauge", "Fraction of tokens with a negative (corrective) weight"),
+    "drpo_objective_masked_ratio": Family("drpo_objective_masked_ratio", "gauge", "DPPO: fraction of tokens masked"),
+    "drpo_objective_masked_ratio_pos_adv": Family("drpo_objective_masked_ratio_pos_adv", "gauge", "DPPO: masked fraction among A > 0 tokens"),
+    "drpo_objective_masked_ratio_nonpos_adv": Family("drpo_objective_masked_ratio_nonpos_adv", "gauge", "DPPO: masked fraction among A <= 0 tokens"),
+    "drpo_objective_clip_ratio": Family("drpo_objective_clip_ratio", "gauge", "PPO: fraction of tokens clipped"),
+    "drpo_staleness_group_lag_groups": Family("drpo_staleness_group_lag_groups", "gauge", "Groups in the last step per version lag of their oldest token (label lag)"),
+    "drpo_staleness_token_age_tokens": Family("drpo_staleness_token_age_tokens", "gauge", "Tokens in the last step per version lag (label lag)"),
+    "drpo_staleness_lag_mean": Family("drpo_staleness_lag_mean", "gauge", "Mean version lag of the last step's groups"),
+    "drpo_staleness_lag_max": Family("drpo_staleness_lag_max", "gauge", "Max version lag of the last step's groups"),
+    "drpo_staleness_max": Family("drpo_staleness_max", "gauge", "The staleness bound eta"),
+    "drpo_staleness_running": Family("drpo_staleness_running", "gauge", "Rollouts admitted and not finished (in flight)"),
+    "drpo_staleness_buffered": Family("drpo_staleness_buffered", "gauge", "Finished groups waiting for a training step"),
+    "drpo_staleness_capacity": Family("drpo_staleness_capacity", "gauge", "Rollouts the admission rule would start now"),
+    "drpo_staleness_admitted": Family("drpo_staleness_admitted", "counter", "Rollouts admitted"),
+    "drpo_prompts": Family("drpo_prompts", "counter", "Prompts with an outcome (label outcome: trained, filtered, stale = dropped over the bound, failed)"),
+    "drpo_rollout_tokens_per_second": Family("drpo_rollout_tokens_per_second", "gauge", "Generated tokens per second since the previous step"),
+    "drpo_rollout_weight_update_seconds": Family("drpo_rollout_weight_update_seconds", "gauge", "Seconds to publish the last weights"),
+    "drpo_rollout_queue_depth": Family("drpo_rollout_queue_depth", "gauge", "Prompts queued or generating on the rollout workers"),
+    "drpo_learner_tokens_per_second": Family("drpo_learner_tokens_per_second", "gauge", "Trained response tokens per learner second"),
+    "drpo_learner_grad_norm": Family("drpo_learner_grad_norm", "gauge", "Global gradient norm before clipping"),
+    "drpo_learner_loss": Family("drpo_learner_loss", "gauge", "Training loss"),
+    "drpo_learner_entropy_mean": Family("drpo_learner_entropy_mean", "gauge", "Learner entropy per response token (nats)"),
+    "drpo_learner_step_duration_seconds": Family("drpo_learner_step_duration_seconds", "gauge", "Learner seconds in the last step"),
+    "drpo_step_duration_seconds": Family("drpo_step_duration_seconds", "gauge", "Wall seconds between the last two steps"),
+    "drpo_reward_mean": Family("drpo_reward_mean", "gauge", "Mean reward of the last step's samples"),
+    "drpo_reward_accuracy_ratio": Family("drpo_reward_accuracy_ratio", "gauge", "Fraction of the last step's samples with full reward"),
+    "drpo_eval_accuracy_ratio": Family("drpo_eval_accuracy_ratio", "gauge", "Held-out accuracy of the last evaluation"),
+    "drpo_step": Family("drpo_step", "gauge", "Training steps done"),
+    "drpo_policy_version": Family("drpo_policy_version", "gauge", "Learner policy version"),
+    "drpo_last_step_timestamp_seconds": Family("drpo_last_step_timestamp_seconds", "gauge", "Unix time of the last finished step (stall alerts)"),
+}
+
+_RENAMES = {
+    "step": "drpo_step", "version": "drpo_policy_version", "step_seconds": "drpo_step_duration_seconds",
+    "learner/seconds": "drpo_learner_step_duration_seconds", "rollout/publish_seconds": "drpo_rollout_weight_update_seconds",
+    "learner/tokens": "drpo_learner_step_tokens", "last_step_timestamp_seconds": "drpo_last_step_timestamp_seconds",
+    "staleness/accepted": "drpo_staleness_accepted", "staleness/admitted": "drpo_staleness_admitted",
+}
+_LAG_LABEL = {"numerics": "0", "staleness": "1+"}
+
+
+def _name(path: str) -> str:
+    name = "drpo_" + re.sub(r"[^a-zA-Z0-9_]", "_", path)
+    return re.sub(r"_frac(?=_|$)", "_ratio", name)
+
+
+def series(key: str) -> tuple[str, dict[str, str]] | None:
+    """(family name, labels) for a metric key; None for keys that are not numbers to export."""
+    if key in _RENAMES:
+        return _RENAMES[key], {}
+    parts = key.split("/")
+    if parts[0] == "ledger":
+        return "drpo_prompts", {"outcome": parts[1]}
+    if parts[0] == "gap":
+        lag = _LAG_LABEL.get(parts[1], "all")
+        rest = parts[2:] if parts[1] in _LAG_LABEL else parts[1:]
+        return _name("gap/" + "/".join(rest)), {"lag": lag}
+    if len(parts) >= 2 and parts[-1].startswith("bin_"):
+        index = parts[-1][4:]
+        base = "/".join(parts[:-1])
+        if base == "staleness/lag_hist":
+            return "drpo_staleness_group_lag_groups", {"lag": index}
+        if base == "staleness/token_lag_hist":
+            return "drpo_staleness_token_age_tokens", {"lag": index}
+        return _name(base), {"bin": index}
+    if parts[0] == "eval" and parts[1] == "accuracy":
+        return "drpo_eval_accuracy_ratio", {}
+    if key == "reward/accuracy":
+        return "drpo_reward_accuracy_ratio", {}
+    return _name(key), {}
+
+
+class RunCollector:
+    """A prometheus_client collector over the latest value of every key."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update(self, values: dict) -> None:
+        with self._lock:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._values[k] = float(v)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            values = dict(self._values)
+        families: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for key, value in values.items():
+            mapped = series(key)
+            if mapped is not None:
+                families.setdefault(mapped[0], []).append((mapped[1], value))
+        for name, samples in sorted(families.items()):
+            known = CATALOG.get(name)
+            labels = sorted({k for lab, _ in samples for k in lab})
+            if known is not None and known.kind == "counter":
+                family = CounterMetricFamily(name, known.help, labels=labels)
+            else:
+                family = GaugeMetricFamily(name, known.help if known else f"drpo metric {name}", labels=labels)
+            for lab, value in samples:
+                family.add_metric([lab.get(k, "") for k in labels], value)
+            yield family
+
+
+class PrometheusExporter:
+    """Serves a RunCollector over HTTP from a daemon thread (port 0 = any free port)."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.collector = RunCollector()
+        self.registry = CollectorRegistry()
+        self.registry.register(self.collector)
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = host, self.server.server_port
+
+    def set(self, values: dict) -> None:
+        self.collector.update(values)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
