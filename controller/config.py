@@ -112,6 +112,7 @@ class MetricsConfig(_Config):
     host: str = Field("127.0.0.1", description="Prometheus endpoint address; loopback unless you mean to expose it.")
     port: int | None = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free port, None = no endpoint).")
     progress: bool = Field(True, description="Live progress bar on stderr.")
+    linger_seconds: float = Field(0.0, ge=0.0, description="Keep the endpoint up this long after the run, for a last scrape.")
 
 
 class SimulationConfig(_Config):

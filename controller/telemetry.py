@@ -143,4 +143,5 @@ class Telemetry:
             print(file=sys.stderr)
         self._file.close()
         if self.exporter is not None:
+            time.sleep(self.cfg.linger_seconds)
             self.exporter.close()

@@ -9,6 +9,16 @@ cd "$(dirname "$0")/.."
 VENV="${DRPO_VENV:-.venv}"
 TORCH_SPEC="${DRPO_TORCH_SPEC:-torch==2.13.0}"
 
+# The Prometheus server the observability tests scrape with (Debian's package; not a Python one).
+if ! command -v prometheus >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "setup.sh: prometheus is not installed and this is not a root Debian shell; install the prometheus package for tests/test_observability.py" >&2
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Submit a drpo training run to a Ray cluster as a Ray job.
+#
+#   RAY_ADDRESS=http://HEAD:8265 deploy/submit.sh [--config FILE] [--set KEY=VALUE ...]
+#
+# RAY_ADDRESS is the head's job API (the dashboard port, 8265 by default); it defaults to
+# http://127.0.0.1:8265. RUNTIME_ENV picks the runtime_env file (default deploy/runtime_env.yaml),
+# PYTHON the interpreter on the cluster (default python). The job's driver joins the cluster
+# (Ray sets RAY_ADDRESS for it), so `drpo train` places its learner and rollout placement groups
+# on the cluster's nodes. Extra arguments go to `drpo train`; with none, the cluster preset runs.
+# Waits for the job and exits with its status (--no-wait via SUBMIT_FLAGS=--no-wait).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+RUNTIME_ENV="${RUNTIME_ENV:-deploy/runtime_env.yaml}"
+PYTHON="${PYTHON:-python}"
+if [ "$#" -eq 0 ]; then
+    set -- --config controller/presets/cluster-gpu.yaml
+fi
+RAY="${RAY:-ray}"
+exec "$RAY" job submit --address "$RAY_ADDRESS" --runtime-env "$RUNTIME_ENV" ${SUBMIT_FLAGS:-} \
+    -- "$PYTHON" -m controller.cli train "$@"

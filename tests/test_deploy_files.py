@@ -1,0 +1,86 @@
+"""deploy/: the runtime envs and the RayJob manifest parse and name entry points that exist; the
+dashboards are valid Grafana dashboard JSON and match their generator; the Prometheus files parse."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.config import load_config
+from deploy import dashboards
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+
+
+def _module_exists(module: str) -> bool:
+    return (REPO / (module.replace(".", "/") + ".py")).is_file()
+
+
+def _check_entrypoint(command: str) -> None:
+    """``python -m MODULE train --config FILE``: the module and the config file exist, the config loads."""
+    argv = shlex.split(command)
+    assert argv[0] in ("python", "python3") and argv[1] == "-m" and _module_exists(argv[2]), command
+    assert argv[3] == "train"
+    config = argv[argv.index("--config") + 1]
+    load_config(REPO / config)
+
+
+@pytest.mark.parametrize("name", ["runtime_env.yaml", "runtime_env.local.yaml"])
+def test_runtime_envs_parse(name):
+    env = yaml.safe_load((DEPLOY / name).read_text())
+    assert set(env) <= {"working_dir", "excludes", "pip", "env_vars", "py_modules", "conda", "container"}
+    assert env["working_dir"] == "." and ".venv" in env["excludes"]
+    assert all(isinstance(v, str) for v in env["env_vars"].values())  # Ray requires string values
+
+
+def test_submit_script_runs_the_cli_module_with_the_cluster_preset():
+    script = (DEPLOY / "submit.sh").read_text()
+    assert '-m controller.cli train "$@"' in script and _module_exists("controller.cli")
+    assert "--config controller/presets/cluster-gpu.yaml" in script
+    load_config(REPO / "controller/presets/cluster-gpu.yaml")
+
+
+def test_rayjob_manifest_has_learner_and_rollout_groups_and_a_real_entrypoint():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    _check_entrypoint(job["spec"]["entrypoint"])
+    yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    cluster = job["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"learner", "rollout"}
+    for g in groups.values():
+        (container,) = g["template"]["spec"]["containers"]
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def test_dashboards_are_grafana_json_and_match_their_generator():
+    built = dashboards.build()
+    files = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+    assert {f.stem for f in files} == set(built)
+    for f in files:
+        model = json.loads(f.read_text())
+        assert model == built[f.stem], f"{f.name} is stale: run python -m deploy.dashboards"
+        assert model["uid"] == f.stem and model["schemaVersion"] >= 30 and model["panels"]
+        ids = [p["id"] for p in model["panels"]]
+        assert len(ids) == len(set(ids))
+        for p in model["panels"]:
+            assert p["type"] == "timeseries" and p["targets"] and set(p["gridPos"]) == {"h", "w", "x", "y"}
+            assert all(t["expr"] and t["refId"] for t in p["targets"])
+
+
+def test_prometheus_and_grafana_provisioning_parse():
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert {j["job_name"] for j in prom["scrape_configs"]} == {"drpo", "ray", "vllm"}
+    assert prom["rule_files"] == ["alerts.yml"] and (DEPLOY / "prometheus" / "alerts.yml").is_file()
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    assert {r["alert"] for r in rules if "alert" in r} >= {"DrpoTrainingStalled", "DrpoOffPolicyGapExplosion", "DrpoCorrectiveFractionSpike"}
+    ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "drpo.yml").read_text())
+    assert provider["providers"][0]["type"] == "file"
