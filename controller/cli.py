@@ -1,4 +1,4 @@
-"""The ``drpo`` command: ``train`` (the main job), ``demo`` and ``objectives``."""
+"""The ``drpo`` command: ``train`` (the main job), ``report``, ``demo`` and ``objectives``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from controller.report import ReportError, write_report
+
+    try:
+        path = write_report(args.run_dir, args.out)
+    except ReportError as err:
+        print(f"drpo report: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drpo", description="Distributed RL post-training with DRPO on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     tr.add_argument("--simulate", action="store_true", help="sampled durations instead of models (scheduling only)")
     tr.set_defaults(fn=_train)
+    rep = sub.add_parser("report", help="write a self-contained HTML (and PNG) report of a run folder")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    rep.set_defaults(fn=_report)
     sub.add_parser("demo", help="print DRPO/DPPO/SPO/PPO gradient weights across mu and pi").set_defaults(fn=_demo)
     sub.add_parser("objectives", help="list registered objectives and their defaults").set_defaults(fn=_objectives)
     return parser

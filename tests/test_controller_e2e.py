@@ -65,10 +65,15 @@ def records(run_dir, kind):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def test_async_steps_advance_versions_and_log_the_gap_by_lag(ray_local, tiny_chat_model, tmp_path):
+@pytest.fixture(scope="module")
+def async_run(ray_local, tiny_chat_model, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("async")
     cfg = run_config(tmp_path, tiny_chat_model)
-    result = train(cfg)
-    run_dir = tmp_path / "run"
+    return cfg, train(cfg), tmp_path / "run"
+
+
+def test_async_steps_advance_versions_and_log_the_gap_by_lag(async_run):
+    cfg, result, run_dir = async_run
     steps = records(run_dir, "step")
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["version"] for s in steps] == [1, 2, 3, 4]
     assert result.ledger_counts["trained"] == 4 * cfg.train.prompts_per_step
@@ -114,3 +119,28 @@ def test_sync_mode_with_the_decoupled_anchor_trains_on_policy(ray_local, tiny_ch
     # on-policy with fp32 on both sides: the behaviour weight proximal/mu is 1 up to float error
     assert all(abs(s["controller/behaviour_weight_mean"] - 1.0) < 1e-3 for s in steps)
     assert all(s["staleness/lag_hist/bin_0"] == cfg.train.prompts_per_step for s in steps)
+
+
+def test_report_from_a_real_run_folder_has_every_plot(async_run, tmp_path):
+    from controller.cli import main
+    from controller.report import PLOTS
+
+    _, _, run_dir = async_run
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    for name in PLOTS:
+        assert f'alt="{name}" src="data:image/png;base64,' in page
+        png = (tmp_path / "report" / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert (tmp_path / "report" / "report.png").read_bytes().startswith(b"\x89PNG")
+    assert "held-out accuracy, last" in page and "no data in this run" not in page  # every plot had its metrics
+
+
+def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
+    from controller.cli import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "accuracy": 0.5}\n{not json\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no step records (1 unreadable lines)" in capsys.readouterr().err
