@@ -9,8 +9,9 @@ throughput / ideal bound (the slower stage's rate), sync likewise, and async / s
 filtering is off so every generated group counts toward the bound.
 
 Real: the embedded default (SmolLM2-135M, arithmetic, DRPO) for a few steps in sync mode (2 torch
-threads per actor: the stages alternate) and async mode (1 thread each: they overlap), side by
-side in one process on one local Ray cluster; seconds per step and tokens/s.
+threads per actor: the stages alternate), async mode with 1 thread each (they overlap) and async
+with the learner on 2 threads (oversubscribed while both run), one after the other in one process
+on one local Ray cluster; seconds per step and tokens/s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from controller.app import train
 from controller.config import load_config
 
 WORKERS = (1, 8, 64, 256)
+VARIANTS = (  # name, mode, rollout threads, learner threads (2 cores)
+    ("sync (2+2 threads)", "sync", 2, 2),
+    ("async (1+1 threads)", "async", 1, 1),
+    ("async (rollout 1, learner 2)", "async", 1, 2),
+)
 
 
 def step_records(run_dir: str) -> list[dict]:
@@ -64,24 +70,24 @@ def real(steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = load_config()
         _init_ray(base)
-        for mode, threads, eta in (("sync", 2, 0), ("async", 1, 1)):
+        for name, mode, rollout_threads, learner_threads in VARIANTS:
+            eta = 0 if mode == "sync" else 1
             cfg = load_config(overrides=[
-                f"run_dir={tmp}/{mode}", f"train.mode={mode}", f"train.max_staleness={eta}", f"train.steps={steps}",
-                f"rollout.threads={threads}", f"learner_resources.threads={threads}", "eval.at_start=false", "eval.every=0",
-                "checkpoint.every=0", "metrics.progress=false", "task.test_size=8",
+                f"run_dir={tmp}/{name}", f"train.mode={mode}", f"train.max_staleness={eta}", f"train.steps={steps}",
+                f"rollout.threads={rollout_threads}", f"learner_resources.threads={learner_threads}", "eval.at_start=false",
+                "eval.every=0", "checkpoint.every=0", "metrics.progress=false", "task.test_size=8",
             ])
             train(cfg)
-            recs = step_records(f"{tmp}/{mode}")[1:]  # the first step includes engine warm-up
-            rows[mode] = (
+            recs = step_records(f"{tmp}/{name}")[1:]  # the first step includes engine warm-up
+            rows[name] = (
                 statistics.median(r["step_seconds"] for r in recs),
                 statistics.median(r["learner/tokens"] / r["step_seconds"] for r in recs),
             )
         ray.shutdown()
     print(f"\nreal: embedded default, {steps} steps per mode (first excluded), medians")
-    print(f"{'mode':>6} {'s/step':>8} {'trained tokens/s':>17}")
-    for mode, (sec, tps) in rows.items():
-        print(f"{mode:>6} {sec:>8.1f} {tps:>17.1f}")
-    print(f"async/sync speed-up: {rows['sync'][0] / rows['async'][0]:.2f}x")
+    print(f"{'variant':>30} {'s/step':>8} {'trained tokens/s':>17} {'x sync':>7}")
+    for name, (sec, tps) in rows.items():
+        print(f"{name:>30} {sec:>8.1f} {tps:>17.1f} {rows[VARIANTS[0][0]][0] / sec:>7.2f}")
 
 
 def main() -> None:
