@@ -22,16 +22,19 @@ class RunResult:
     metrics_url: str | None
 
 
-def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem]]:
+def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem], dict[str, list]]:
+    """Training and held-out problems, and the rows skipped per dataset file ((row, reason) lists)."""
     task = cfg.task
     if isinstance(task, ArithmeticTask):
         return (
             arithmetic_split("train", task.train_size, task.seed, task.max_operand),
             arithmetic_split("test", task.test_size, task.seed, task.max_operand),
+            {},
         )
     train = load_dataset(task.train_path, task.max_prompt_chars)
-    test = load_dataset(task.test_path, task.max_prompt_chars).problems if task.test_path else []
-    return train.problems, test
+    test = load_dataset(task.test_path, task.max_prompt_chars) if task.test_path else None
+    skipped = {task.train_path: train.skipped, **({task.test_path: test.skipped} if test else {})}
+    return train.problems, test.problems if test else [], {k: v for k, v in skipped.items() if v}
 
 
 def make_backend(cfg: RunConfig):
@@ -52,9 +55,12 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
         raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump(cfg))
-    train_set, test_set = problems(cfg)
+    train_set, test_set, skipped = problems(cfg)
     backend = backend or make_backend(cfg)
     telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now)
+    for path, rows in skipped.items():
+        telemetry.dataset_rows_skipped(path, rows)
+        print(f"drpo train: skipped {len(rows)} bad rows of {path} (first: row {rows[0][0]}: {rows[0][1]}); all in metrics.jsonl", file=sys.stderr)
     if getattr(backend, "placement", None):
         telemetry.placement(backend.placement)
     if telemetry.exporter is not None and cfg.metrics.progress:

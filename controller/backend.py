@@ -56,6 +56,15 @@ class Events:
     groups: list[GroupResult] = field(default_factory=list)
     trained: TrainResult | None = None
     started: list[Started] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    """Workers that died: everything queued or generating on them is gone (the controller
+    re-queues it). A worker comes back only after it serves the current weights."""
+    revived: list[int] = field(default_factory=list)
+    """Workers back from the dead, already serving the newest publication."""
+
+
+class LearnerLost(RuntimeError):
+    """A learner rank died: the run cannot go on; resume it from its last checkpoint."""
 
 
 class Backend(ABC):
@@ -85,6 +94,10 @@ class Backend(ABC):
     @abstractmethod
     def publish(self, version: int, wait: bool) -> float:
         """Send the learner's weights to every worker; ``wait`` until all serve them. Returns seconds."""
+
+    def available(self, worker: int) -> bool:
+        """Whether ``worker`` takes submissions now (False while it is dead or restarting)."""
+        return True
 
     @abstractmethod
     def worker_version(self, worker: int) -> int:

@@ -67,7 +67,13 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.simulation is None:
         _init_ray(cfg)
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
-    result = train(cfg, resume=bool(args.resume))
+    from controller.backend import LearnerLost
+
+    try:
+        result = train(cfg, resume=bool(args.resume))
+    except LearnerLost as err:
+        print(f"drpo train: {err}", file=sys.stderr)
+        return 1
     print(result.summary)
     return 0
 

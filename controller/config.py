@@ -50,6 +50,15 @@ class DatasetTask(_Config):
 TaskConfig = Annotated[Union[ArithmeticTask, DatasetTask], Field(discriminator="type")]
 
 
+class ChaosConfig(_Config):
+    """Fault injection in rollout workers, for testing what the controller survives. Off by default."""
+
+    nan_logp_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a group's mu comes back NaN (bad engine output).")
+    empty_response_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a sample's response is cut to zero tokens.")
+    reward_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability the reward function raises for a sample.")
+    seed: int = Field(0, description="Seed of the injected faults.")
+
+
 class RolloutConfig(_Config):
     """Rollout workers: one engine each."""
 
@@ -65,6 +74,8 @@ class RolloutConfig(_Config):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the learner takes log-probs at the same one).")
     max_batch_prompts: int = Field(8, ge=1, description="Queued prompts a worker generates together in one engine call.")
     reward: Literal["literal", "math_verify"] = Field("literal", description="Reward function.")
+    chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
+    max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
     engine_kwargs: dict[str, int | float | str | bool] = Field(default_factory=dict, description="Extra engine arguments (e.g. vLLM's kv_cache_memory_bytes).")
 
 
@@ -126,6 +137,8 @@ class SimulationConfig(_Config):
     accuracy: float = Field(0.3, ge=0.0, le=1.0, description="Probability a simulated sample is rewarded.")
     tokens_per_sample: int = Field(16, ge=1, description="Response tokens a simulated sample reports.")
     failure_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a simulated group fails (engine error).")
+    crash_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a worker dies while generating a group (its queue is lost).")
+    restart_seconds: float = Field(5.0, ge=0.0, description="Seconds a dead worker takes to come back (then it loads the current weights).")
     seed: int = Field(0, description="Seed of the sampled durations and rewards.")
 
 

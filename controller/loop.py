@@ -54,7 +54,9 @@ class Controller:
         self.batch_size = cfg.train.prompts_per_step
         self.staleness = StalenessManager(
             cfg.train.max_staleness, self.batch_size, lambda: self.version,
-            serving_version=lambda: min(backend.worker_version(w) for w in range(backend.workers)),
+            serving_version=lambda: min(
+                (backend.worker_version(w) for w in range(backend.workers) if backend.available(w)), default=self.version
+            ),
         )
         self.sampler = PromptSampler([p.id for p in train], cfg.seed)
         self.ledger = Ledger()
@@ -66,6 +68,8 @@ class Controller:
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
         self.failures_in_a_row = 0
+        self.worker_losses = 0
+        self.eval_pending: dict[tuple[int, int], list[Problem]] = {}
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -85,14 +89,20 @@ class Controller:
     # ---- admission and scoring ----------------------------------------------------------------------
 
     def admit(self) -> None:
-        while self.staleness.try_admit() is not None:
+        live = [w for w in range(len(self.load)) if self.backend.available(w)]
+        while live and self.staleness.try_admit() is not None:
             ticket = self.sampler.next()
-            worker = min(range(len(self.load)), key=self.load.__getitem__)
+            worker = min(live, key=self.load.__getitem__)
             self.load[worker] += 1
             self.in_flight[ticket] = _Flight(worker)
             self.backend.submit(worker, self.problems[ticket.id], f"train/{ticket.epoch}", self.cfg.rollout.samples_per_prompt)
 
     def handle(self, events: Events) -> None:
+        for worker in events.lost:
+            self.worker_lost(worker)
+            self.telemetry.worker_event("lost", worker, None)
+        for worker in events.revived:
+            self.telemetry.worker_event("back", worker, self.backend.worker_version(worker))
         for s in events.started:
             kind, _, key = s.tag.partition("/")
             flight = self.in_flight.get(Ticket(int(key), s.problem_id)) if kind == "train" else None
@@ -101,6 +111,22 @@ class Controller:
         self.score(events.groups)
         if events.trained is not None:
             self.finish_step(events.trained)
+
+    def worker_lost(self, worker: int) -> None:
+        """Re-queue what a dead worker held: its training prompts go back to the sampler (drawn
+        first), its evaluation prompts to the other workers. Nothing it held has an outcome yet."""
+        tickets = [t for t, f in self.in_flight.items() if f.worker == worker]
+        for ticket in tickets:
+            del self.in_flight[ticket]
+            self.staleness.on_cancelled()
+        self.sampler.requeue(tickets)
+        self.load[worker] = 0
+        self.worker_losses += 1
+        for (rnd, w), problems in list(self.eval_pending.items()):
+            if w == worker:
+                del self.eval_pending[(rnd, w)]
+                for p in problems:
+                    self._submit_eval(rnd, p)
 
     def _start_bound(self, flight: _Flight) -> int:
         """A lower bound on the version of a running group's oldest token: the version it started
@@ -175,15 +201,26 @@ class Controller:
         rnd = self.eval_rounds
         self.eval_rounds += 1
         self.evals[rnd] = _Eval(rnd, self.version, len(self.test))
-        for i, p in enumerate(self.test):
-            self.backend.submit(i % self.backend.workers, p, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
+        for p in self.test:
+            self._submit_eval(rnd, p)
         while blocking and rnd in self.evals:
             self.handle(self.backend.wait())
+
+    def _submit_eval(self, rnd: int, problem: Problem) -> None:
+        live = [w for w in range(self.backend.workers) if self.backend.available(w)] or list(range(self.backend.workers))
+        worker = min(live, key=lambda w: sum(len(v) for (r, x), v in self.eval_pending.items() if x == w))
+        self.eval_pending.setdefault((rnd, worker), []).append(problem)
+        self.backend.submit(worker, problem, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
 
     def _eval_result(self, rnd: int, g: GroupResult | None) -> None:
         ev = self.evals[rnd]
         if g is not None:
             ev.results.append(g)
+            pending = self.eval_pending.get((rnd, g.worker), [])
+            for i, p in enumerate(pending):
+                if p.id == g.problem_id:
+                    del pending[i]
+                    break
         if len(ev.results) < ev.expected:
             return
         del self.evals[rnd]
@@ -210,8 +247,13 @@ class Controller:
                 self.staleness.on_cancelled()
                 self.sampler.requeue([ticket])
             else:
-                self.evals[int(key)].expected -= 1
-                self._eval_result(int(key), None)
+                rnd = int(key)
+                for (r, _), pending in self.eval_pending.items():
+                    if r == rnd and any(p.id == problem_id for p in pending):
+                        pending[:] = [p for p in pending if p.id != problem_id]
+                        break
+                self.evals[rnd].expected -= 1
+                self._eval_result(rnd, None)
 
     def checkpoint(self) -> Path:
         """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.
@@ -241,7 +283,11 @@ class Controller:
 
     def restore(self, folder: Path) -> None:
         """Continue from a checkpoint written by ``checkpoint`` (before anything is admitted)."""
-        state = json.loads((Path(folder) / STATE_FILE).read_text())
+        path = Path(folder) / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"checkpoint state {path} is unreadable ({err}); resume from an earlier checkpoint by moving this one away") from None
         self.step, self.version = int(state["step"]), int(state["version"])
         self.sampler.load_state_dict(state["sampler"])
         self.ledger.load_state_dict(state["ledger"])

@@ -12,16 +12,19 @@ from __future__ import annotations
 import time
 
 import ray
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from controller.backend import Backend, Events, GroupResult, Started, TrainResult
+from controller.backend import Backend, Events, GroupResult, LearnerLost, Started, TrainResult
 from controller.batch import build_train_batch, decoupled_anchor
 from controller.config import RunConfig
 from learner.group import LearnerGroup
 from rollout.tasks import Problem
 from rollout.worker import RolloutWorker, ScoredGroup
 
+PROBE_SECONDS = 5.0
+"""How often wait() wakes to probe dead workers when nothing else happens."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
@@ -73,10 +76,12 @@ class RayBackend(Backend):
         self.actors = [
             actor.options(
                 num_cpus=ro.cpus_per_worker, num_gpus=ro.gpus_per_worker, max_concurrency=4,
+                max_restarts=ro.max_restarts, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote(
                 folder, sampling, ro.reward, ro.precision, ro.engine,
-                max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens, **engine_kwargs,
+                max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens,
+                chaos=ro.chaos.model_dump() if ro.chaos else None, **engine_kwargs,
             )
             for i in range(ro.workers)
         ]
@@ -90,6 +95,11 @@ class RayBackend(Backend):
         self._acks: dict = {}
         self._collects = {a.poll.remote(COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
         self._train: list | None = None
+        self._down: set[int] = set()
+        self._gone: set[int] = set()
+        self._probes: dict = {}
+        self._next_probe: dict[int, float] = {}
+        self._publication = None
 
     def now(self) -> float:
         return time.monotonic()
@@ -98,54 +108,102 @@ class RayBackend(Backend):
         self.actors[worker].submit.remote([problem], tag, n)
 
     def cancel_queued(self) -> list[tuple[str, str]]:
-        return [item for taken in ray.get([a.cancel_queued.remote() for a in self.actors]) for item in taken]
+        taken = []
+        for i, a in enumerate(self.actors):
+            if i in self._down:
+                continue
+            try:
+                taken += ray.get(a.cancel_queued.remote())
+            except RayActorError:
+                pass  # died just now: the controller hears of it from its poll
+        return taken
 
     def start_train(self, groups: list[GroupResult], version: int) -> None:
         batch = build_train_batch([g.payload for g in groups], version, self.cfg.advantages, self.pad_id)
         extra = token_lag_histogram(batch)
         if self.cfg.train.anchor == "decoupled":
-            proximal = self.learner.compute_logprobs(batch.input_ids)
+            proximal = self._learner_call(self.learner.compute_logprobs, batch.input_ids)
             batch, extra["controller/behaviour_weight_mean"] = decoupled_anchor(batch, proximal, self.cfg.train.behaviour_weight_cap)
         self._train_extra = extra
         self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
 
     def wait(self) -> Events:
-        pending = list(self._collects) + (self._train or []) + list(self._acks)  # an ack can open admission
-        ray.wait(pending, num_returns=1)
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-        ready = set(ready)
-        groups: list[GroupResult] = []
-        started: list[Started] = []
+        self._probe_down_workers()
+        pending = list(self._collects) + (self._train or []) + list(self._acks) + list(self._probes)  # an ack can open admission
+        ray.wait(pending, num_returns=1, timeout=PROBE_SECONDS if not self._down else 1.0)
+        ready = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0])
+        events = Events()
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
-            finished, began = ray.get(ref)
-            groups += [self._result(worker, g) for g in finished]
-            started += [Started(pid, tag, worker, version) for pid, tag, version in began]
+            try:
+                finished, began = ray.get(ref)
+            except RayActorError:
+                self._down.add(worker)
+                events.lost.append(worker)
+                continue
+            events.groups.extend(self._result(worker, g) for g in finished)
+            events.started.extend(Started(pid, tag, worker, version) for pid, tag, version in began)
             self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
-        trained = None
+        for ref in [r for r in self._probes if r in ready]:
+            self._revive(self._probes.pop(ref), ref, events)
         if self._train and all(r in ready for r in self._train):
-            per_rank, self._train = ray.get(self._train), None
+            per_rank, self._train = self._learner_call(ray.get, self._train), None
             values, tokens, seconds = merge_step_metrics(per_rank[0])
             values.update(self._train_extra)
-            trained = TrainResult(per_rank[0][-1].version, tokens, seconds, values)
-        return Events(groups, trained, started)
+            events = Events(events.groups, TrainResult(per_rank[0][-1].version, tokens, seconds, values), events.started, events.lost, events.revived)
+        return events
+
+    def _probe_down_workers(self) -> None:
+        """A heartbeat to every dead worker without one in flight: Ray holds it until the actor has
+        restarted (or fails it if the actor is gone for good)."""
+        probing = set(self._probes.values())
+        now = time.monotonic()
+        for worker in self._down - probing - self._gone:
+            if now >= self._next_probe.get(worker, 0.0):
+                self._next_probe[worker] = now + 1.0  # a failed probe comes back at once: do not spin
+                self._probes[self.actors[worker].heartbeat.remote()] = worker
+
+    def _revive(self, worker: int, probe, events: Events) -> None:
+        """A restarted worker loads the newest publication before it is given work again."""
+        try:
+            ray.get(probe)
+            if self._publication is not None:
+                self._serving[worker] = ray.get(self.actors[worker].update_weights.remote(self._publication.refs))
+            else:
+                self._serving[worker] = 0
+        except ActorDiedError:
+            self._gone.add(worker)  # out of restarts: never comes back
+            if len(self._gone) == self.workers:
+                raise RuntimeError("every rollout worker died and is out of restarts (rollout.max_restarts)") from None
+            return
+        except RayActorError:
+            return  # still restarting; probed again on the next wait
+        self._down.discard(worker)
+        self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
+        events.revived.append(worker)
+
+    def available(self, worker: int) -> bool:
+        return worker not in self._down
 
     @staticmethod
     def _result(worker: int, g: ScoredGroup) -> GroupResult:
         versions = [int(c.versions.min()) for c in g.completions if len(c.versions)]
         tokens = sum(len(c.response_ids) for c in g.completions)
-        oldest = min(versions) if versions else (None if g.error else 0)
-        return GroupResult(g.problem.id, g.tag, worker, tuple(g.scores), oldest, tokens, g.error, g)
+        error = g.error or (None if versions else "every response is empty")
+        return GroupResult(g.problem.id, g.tag, worker, tuple(g.scores), min(versions, default=None), tokens, error, g)
 
     def publish(self, version: int, wait: bool) -> float:
         started = time.monotonic()
-        publication = self.learner.publish()
+        publication = self._learner_call(self.learner.publish)
+        self._publication = publication
         if publication.version != version:
             raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
         for i, a in enumerate(self.actors):
-            self._acks[a.update_weights.remote(publication.refs)] = i
-        if wait:
-            ray.get(list(self._acks))
+            if i not in self._down:
+                self._acks[a.update_weights.remote(publication.refs)] = i
+        if wait and self._acks:
+            ray.wait(list(self._acks), num_returns=len(self._acks))
+            self.worker_version(0)  # collect the acks
         return time.monotonic() - started
 
     def worker_version(self, worker: int) -> int:
@@ -153,14 +211,26 @@ class RayBackend(Backend):
             done, _ = ray.wait(list(self._acks), num_returns=len(self._acks), timeout=0)
             for ref in done:
                 w = self._acks.pop(ref)
-                self._serving[w] = max(self._serving[w], ray.get(ref))
+                try:
+                    self._serving[w] = max(self._serving[w], ray.get(ref))
+                except RayActorError:
+                    pass  # the worker died; its poll reports it
         return self._serving[worker]
 
+    def _learner_call(self, fn, *args):
+        try:
+            return fn(*args)
+        except RayActorError as err:
+            raise LearnerLost(
+                f"a learner rank died ({type(err).__name__}); the run stops. Continue it from its last checkpoint with: "
+                f"drpo train --resume {self.cfg.run_dir}"
+            ) from None
+
     def save(self, folder: str) -> None:
-        self.learner.save_checkpoint(folder)
+        self._learner_call(self.learner.save_checkpoint, folder)
 
     def load(self, folder: str, version: int) -> None:
-        self.learner.load_checkpoint(folder)
+        self._learner_call(self.learner.load_checkpoint, folder)
         self.publish(version, wait=True)
         self._serving = [version] * self.workers
 
@@ -169,6 +239,8 @@ class RayBackend(Backend):
             a.shutdown.remote()
         try:
             self.learner.shutdown()
+        except RayActorError:
+            pass  # a dead learner has nothing left to shut down
         finally:
             for a in self.actors:
                 ray.kill(a)

@@ -40,6 +40,10 @@ class SimulatedBackend(Backend):
         self._learner_version = 0
         self.busy_seconds = {"rollout": 0.0, "train": 0.0}
         self._started: list[Started] = []
+        self._down = [False] * workers
+        self._incarnation = [0] * workers
+        self._published = 0
+        self.crashes = 0
 
     def now(self) -> float:
         return self.clock
@@ -47,7 +51,12 @@ class SimulatedBackend(Backend):
     def _at(self, seconds: float, event: tuple) -> None:
         heapq.heappush(self._events, (self.clock + seconds, next(self._order), event))
 
+    def available(self, worker: int) -> bool:
+        return not self._down[worker]
+
     def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
+        if self._down[worker]:
+            raise RuntimeError(f"submit to worker {worker}, which is down")
         self._queues[worker].append((problem.id, tag, n))
         self._start_next(worker)
 
@@ -57,6 +66,8 @@ class SimulatedBackend(Backend):
         problem_id, tag, n = self._queues[worker].popleft()
         self._busy[worker] = True
         seconds = lognormal(self.rng, self.cfg.gen_seconds, self.cfg.gen_cv)
+        if self.rng.random() < self.cfg.crash_rate:
+            self._at(seconds * self.rng.random(), ("crash", (worker, self._incarnation[worker])))
         self.busy_seconds["rollout"] += seconds
         rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
         if self.rng.random() < self.cfg.failure_rate:
@@ -64,7 +75,7 @@ class SimulatedBackend(Backend):
         else:
             group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
         self._started.append(Started(problem_id, tag, worker, self._serving[worker]))
-        self._at(seconds, ("group", group))
+        self._at(seconds, ("group", (group, self._incarnation[worker])))
 
     def cancel_queued(self) -> list[tuple[str, str]]:
         out = [(pid, tag) for q in self._queues for pid, tag, _ in q]
@@ -87,15 +98,32 @@ class SimulatedBackend(Backend):
         if not self._events:
             raise RuntimeError("simulation deadlock: the controller waits but nothing is running")
         groups: list[GroupResult] = []
+        lost: list[int] = []
+        revived: list[int] = []
         trained = None
         time_ = self._events[0][0]
         while self._events and self._events[0][0] == time_:
             _, _, (kind, payload) = heapq.heappop(self._events)
             self.clock = max(self.clock, time_)
+            if kind in ("group", "crash") and payload[1] != self._incarnation[payload[0].worker if kind == "group" else payload[0]]:
+                continue  # an event of a worker life that ended in a crash
             if kind == "group":
-                groups.append(payload)
-                self._busy[payload.worker] = False
-                self._start_next(payload.worker)
+                group = payload[0]
+                groups.append(group)
+                self._busy[group.worker] = False
+                self._start_next(group.worker)
+            elif kind == "crash":
+                worker = payload[0]
+                self.crashes += 1
+                self._incarnation[worker] += 1
+                self._queues[worker].clear()
+                self._busy[worker], self._down[worker] = False, True
+                lost.append(worker)
+                self._at(self.cfg.restart_seconds, ("revive", worker))
+            elif kind == "revive":  # back, serving the newest publication before taking work
+                self._down[payload] = False
+                self._serving[payload] = self._published
+                revived.append(payload)
             elif kind == "train":
                 trained = payload
                 self._learner_version = payload.version
@@ -103,9 +131,10 @@ class SimulatedBackend(Backend):
                 worker, version = payload
                 self._serving[worker] = max(self._serving[worker], version)
         started, self._started = self._started, []
-        return Events(groups, trained, started)
+        return Events(groups, trained, started, lost, revived)
 
     def publish(self, version: int, wait: bool) -> float:
+        self._published = version
         delay = self.cfg.publish_seconds
         if wait:
             self.clock += delay

@@ -39,6 +39,7 @@ class Telemetry:
         self._tty = sys.stderr.isatty()
         self._since = clock()
         self._group_tokens = self._groups = 0
+        self.worker_events: dict[str, int] = {}
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -67,6 +68,7 @@ class Telemetry:
             "rollout/queue_depth": sum(ctl.load), "staleness/buffered": len(ctl.buffer), "staleness/max": ctl.cfg.train.max_staleness,
             **{f"staleness/lag_hist/bin_{i}": sum(min(lag, LAG_BINS - 1) == i for lag in lags) for i in range(LAG_BINS)},
             **{f"ledger/{k}": v for k, v in ctl.ledger.counts().items()},
+            "rollout/worker_losses": self.worker_events.get("lost", 0),
             **result.metrics,
         }
         self._since, self._group_tokens, self._groups = now, 0, 0
@@ -82,6 +84,14 @@ class Telemetry:
     def placement(self, nodes: dict[str, list[str]]) -> None:
         """Which Ray node each learner rank and rollout worker runs on."""
         self._write({"kind": "placement", "time": self.clock(), **nodes})
+
+    def dataset_rows_skipped(self, path: str, rows: list[tuple[int, str]]) -> None:
+        self._write({"kind": "dataset", "time": self.clock(), "path": path, "skipped": [{"row": r, "reason": why} for r, why in rows]})
+
+    def worker_event(self, event: str, worker: int, version: int | None) -> None:
+        """A rollout worker died ("lost") or came back serving ``version`` ("back")."""
+        self._write({"kind": "worker", "time": self.clock(), "event": event, "worker": worker, "version": version})
+        self.worker_events[event] = self.worker_events.get(event, 0) + 1
 
     def checkpoint(self, path: Path) -> None:
         self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,14 +61,17 @@ class RolloutWorker:
 
     def __init__(
         self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf",
-        max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, **engine_kwargs,
+        max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, chaos: dict | None = None, **engine_kwargs,
     ):
         """``max_batch_prompts``: queued prompts of the same kind generated together in one engine
-        call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group."""
+        call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group;
+        ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.reward = make_reward(reward)
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
+        self.chaos = dict(chaos or {})
+        self._chaos_rng = random.Random(self.chaos.pop("seed", 0))
         self._inbox: queue.Queue[tuple[Problem, str, int] | None] = queue.Queue()
         self._outbox: list[ScoredGroup] = []
         self._started: list[tuple[str, str, int]] = []
@@ -198,7 +202,20 @@ class RolloutWorker:
                     out[i] = ScoredGroup(problems[i], [], [], [], time.perf_counter() - started, error=f"{type(err).__name__}: {err}", tag=tag)
         return [out[i] for i in range(len(problems))]
 
+    def _inject(self, completions: list[Completion]) -> list[Completion]:
+        """Chaos: corrupt engine output on purpose (rates from ``chaos``)."""
+        rng = self._chaos_rng
+        if rng.random() < self.chaos.get("nan_logp_rate", 0.0):
+            completions = [dataclasses.replace(c, rollout_logp=torch.full_like(c.rollout_logp, float("nan"))) for c in completions]
+        return [
+            dataclasses.replace(c, response_ids=c.response_ids[:0], rollout_logp=c.rollout_logp[:0], versions=c.versions[:0])
+            if rng.random() < self.chaos.get("empty_response_rate", 0.0) else c
+            for c in completions
+        ]
+
     def _score_group(self, problem: Problem, completions: list[Completion], seconds: float, tag: str) -> ScoredGroup:
+        if self.chaos:
+            completions = self._inject(completions)
         if any(not torch.isfinite(c.rollout_logp).all() for c in completions):
             return ScoredGroup(problem, [], [], [], seconds, error="engine returned NaN or inf behaviour log-probs", tag=tag)
         texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
@@ -207,6 +224,8 @@ class RolloutWorker:
 
     def _score(self, text: str, truth: str) -> RewardResult:
         try:
+            if self.chaos and self._chaos_rng.random() < self.chaos.get("reward_error_rate", 0.0):
+                raise RuntimeError("chaos: injected reward failure")
             return self.reward(text, truth)
         except Exception as err:
             return RewardResult(0.0, None, f"error: {type(err).__name__}")

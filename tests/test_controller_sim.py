@@ -133,3 +133,24 @@ def test_a_run_whose_rollouts_always_fail_stops_with_the_reason(tmp_path):
     cfg = sim_config(tmp_path, workers=4, steps=10, sim={"failure_rate": 1.0})
     with pytest.raises(RuntimeError, match="failed in a row, the last with: simulated engine failure"):
         train(cfg)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_worker_crashes_lose_no_prompt_and_count_none_twice(tmp_path, seed):
+    cfg = sim_config(
+        tmp_path, seed=seed, workers=8, steps=25, max_staleness=2, checkpoint_every=5, train_size=120,
+        sim={"crash_rate": 0.05, "restart_seconds": 3.0, "publish_seconds": 0.5, "seed": seed},
+    )
+    backend = SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+    result = train(cfg, backend=backend)
+    assert backend.crashes > 0
+    state = json.loads((latest_checkpoint(cfg.run_dir) / "controller.json").read_text())
+    keys = [(e["epoch"], e["id"]) for e in state["ledger"]]
+    assert len(keys) == len(set(keys))
+    assert result.ledger_counts["trained"] == 25 * cfg.train.prompts_per_step
+    assert max(trained_lags(cfg.run_dir)) <= 2
+    sampler = PromptSampler([p.id for p in arithmetic_split("train", 120)], cfg.seed)
+    sampler.load_state_dict(state["sampler"])
+    pending = {(t["epoch"], t["id"]) for t in state["sampler"]["requeued"]}
+    for epoch in range(state["sampler"]["epoch"] + 1):
+        assert {(epoch, i) for i in sampler.issued(epoch)} == {k for k in keys + list(pending) if k[0] == epoch}

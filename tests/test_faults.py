@@ -1,0 +1,183 @@
+"""Fault injection on real runs (tiny chat Llama, real Ray, real learner and rollout worker): dead
+rollout workers, dead nodes, a killed driver, bad engine output, failing rewards, bad dataset rows and
+prompts, corrupt checkpoints, a full disk. Every test asserts the ledger invariant (fault_checks)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from controller.app import train
+from controller.backend import LearnerLost
+from controller.config import ChaosConfig, RunConfig
+from learner.checkpoint import CheckpointError
+from rollout.tasks import arithmetic_split
+from tests.fault_checks import assert_ledger_exact
+from tests.test_controller_e2e import run_config, tiny_chat_model  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_IDS = [p.id for p in arithmetic_split("train", 64)]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    """The run's metrics.jsonl records of ``kind`` so far (a line being written is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("kind") == kind:
+            out.append(record)
+    return out
+
+
+def when(predicate, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError("the awaited run state never came")
+        time.sleep(0.2)
+
+
+def with_train(cfg: RunConfig, **train_fields) -> RunConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train_fields)})
+
+
+def exact(cfg: RunConfig, steps: int | None = None) -> dict:
+    return assert_ledger_exact(Path(cfg.run_dir), TRAIN_IDS, cfg.seed, steps or cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
+
+
+def test_killed_rollout_workers_restart_with_current_weights_and_lose_nothing(ray_local, tiny_chat_model, tmp_path):
+    from controller.ray_backend import RayBackend
+
+    cfg = run_config(tmp_path, tiny_chat_model, steps=8)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"workers": 1}), "eval": cfg.eval.model_copy(update={"every": 0})})
+    backend = RayBackend(cfg)
+    run_dir = Path(cfg.run_dir)
+
+    def kill_twice():
+        for after_step in (2, 5):
+            when(lambda: len(records(run_dir, "step")) >= after_step)
+            ray_local.kill(backend.actors[0], no_restart=False)  # Ray restarts it (rollout.max_restarts)
+
+    killer = threading.Thread(target=kill_twice, daemon=True)
+    killer.start()
+    train(cfg, backend=backend)
+    killer.join(timeout=5)
+    events = records(run_dir, "worker")
+    assert [e["event"] for e in events].count("lost") == 2 and [e["event"] for e in events].count("back") == 2
+    assert all(e["version"] >= 2 for e in events if e["event"] == "back")  # served current weights before work
+    exact(cfg)
+
+
+def test_bad_engine_output_empty_responses_and_failing_rewards_are_recorded(ray_local, tiny_chat_model, tmp_path):
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4)
+    chaos = ChaosConfig(nan_logp_rate=0.25, empty_response_rate=0.1, reward_error_rate=0.1, seed=1)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"chaos": chaos})})
+    train(cfg)
+    state = exact(cfg)
+    reasons = [e["reason"] for e in state["ledger"] if e["outcome"] == "failed"]
+    assert any("NaN or inf" in r for r in reasons)
+    assert all(r.startswith(("engine returned NaN", "every response is empty")) for r in reasons)
+
+
+def test_bad_dataset_rows_and_prompts_are_skipped_or_failed_by_name(ray_local, tiny_chat_model, tmp_path):
+    rows = [{"prompt": p.prompt, "answer": p.ground_truth, "id": p.id} for p in arithmetic_split("train", 40)]
+    bad = [
+        "{not json", json.dumps({"prompt": "What is 2+2?"}), json.dumps({"prompt": "   ", "answer": "1"}),
+        json.dumps({"prompt": "x" * 5000, "answer": "1"}), json.dumps(["a list"]),
+    ]
+    long_prompt = {"prompt": "Count: " + "one two three " * 120 + "Reply with only the number.", "answer": "3", "id": "too-many-tokens"}
+    lines = [json.dumps(r) for r in rows[:10]] + bad + [json.dumps(long_prompt)] + [json.dumps(r) for r in rows[10:]]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = run_config(tmp_path, tiny_chat_model, steps=3).model_dump(mode="json")
+    cfg["task"] = {"type": "dataset", "train_path": str(data), "max_prompt_chars": 4000}
+    cfg["rollout"]["max_prompt_tokens"] = 200
+    cfg["advantages"] = {"filter_zero_variance": True}
+    cfg = RunConfig.model_validate(cfg)
+    train(cfg)
+    (report,) = records(Path(cfg.run_dir), "dataset")
+    assert [s["row"] for s in report["skipped"]] == [11, 12, 13, 14, 15]
+    assert "not JSON" in report["skipped"][0]["reason"] and "no ground truth" in report["skipped"][1]["reason"]
+    assert "no prompt" in report["skipped"][2]["reason"] and "5000 characters" in report["skipped"][3]["reason"]
+    ids = [r["id"] for r in rows[:10]] + ["too-many-tokens"] + [r["id"] for r in rows[10:]]  # file order
+    state = assert_ledger_exact(Path(cfg.run_dir), ids, cfg.seed, 3, cfg.train.prompts_per_step, cfg.train.max_staleness)
+    long = [e for e in state["ledger"] if e["id"] == "too-many-tokens"]
+    assert not long or (long[0]["outcome"] == "failed" and "more than max_prompt_tokens=200" in long[0]["reason"])
+
+
+def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(tiny_chat_model, tmp_path):
+    cfg = run_config(tmp_path, tiny_chat_model, steps=6)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": 2})})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    drpo = [sys.executable, "-m", "controller.cli", "train"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen([*drpo, "--config", str(config)], cwd=REPO, env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = Path(cfg.run_dir) / "checkpoints"
+    when(lambda: (checkpoints / "step-000002" / "controller.json").is_file() or driver.poll() is not None)
+    assert driver.poll() is None, "the run ended before it could be killed"
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray cluster it started
+    driver.wait()
+    done = subprocess.run([*drpo, "--resume", cfg.run_dir], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exact(cfg)
+    steps = [r["step"] for r in records(Path(cfg.run_dir), "step")]
+    assert steps[-1] == 6 and steps.count(1) == 1  # steps after the last checkpoint were redone, none before it
+
+
+def test_corrupt_or_foreign_checkpoints_are_rejected_by_name_and_left_alone(ray_local, tiny_chat_model, tmp_path):
+    cfg = run_config(tmp_path, tiny_chat_model, steps=2)
+    train(cfg)
+    rank_file = Path(cfg.run_dir) / "checkpoints" / "step-000002" / "learner-rank00000.pt"
+    original = rank_file.read_bytes()
+    rank_file.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointError, match="learner-rank00000.pt"):
+        train(with_train(cfg, steps=3), resume=True)
+    assert rank_file.read_bytes() == original[: len(original) // 2]  # nothing rewritten
+    state_file = rank_file.parent / "controller.json"
+    rank_file.write_bytes(original)
+    state_file.write_text("{truncated")
+    with pytest.raises(ValueError, match="controller.json"):
+        train(with_train(cfg, steps=3), resume=True)
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    from controller.simulation import SimulatedBackend
+
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"), "task": {"type": "arithmetic", "train_size": 64, "test_size": 4},
+        "train": {"steps": 6, "prompts_per_step": 4, "max_staleness": 1}, "checkpoint": {"every": 2, "keep": 5},
+        "eval": {"every": 0, "at_start": False}, "metrics": {"port": None, "progress": False}, "simulation": {},
+    })
+    backend = SimulatedBackend(cfg.simulation, 2)
+    saves = []
+
+    def save(folder):
+        saves.append(folder)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        Path(folder, "learner.bin").write_bytes(b"x" * 100)
+
+    monkeypatch.setattr(backend, "save", save)
+    with pytest.raises(OSError, match="No space left"):
+        train(cfg, backend=backend)
+    checkpoints = Path(cfg.run_dir) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step-000002"]
+    assert (checkpoints / "step-000002" / "learner.bin").read_bytes() == b"x" * 100
+    assert_ledger_exact(Path(cfg.run_dir), TRAIN_IDS, cfg.seed, 2, 4, 1)
