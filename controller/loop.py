@@ -67,7 +67,7 @@ class Controller:
         self.evals: dict[int, _Eval] = {}
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
-        self.failures_in_a_row = 0
+        self.failures_in_a_row = self.filtered_in_a_row = 0
         self.worker_losses = 0
         self.eval_pending: dict[tuple[int, int], list[Problem]] = {}
 
@@ -140,7 +140,10 @@ class Controller:
                 self._eval_result(int(key), g)
                 continue
             ticket = Ticket(int(key), g.problem_id)
-            flight = self.in_flight.pop(ticket)
+            flight = self.in_flight.get(ticket)
+            if flight is None or flight.worker != g.worker:
+                continue  # from a worker declared lost whose work was re-queued: the re-run counts, not this
+            del self.in_flight[ticket]
             self.load[flight.worker] -= 1
             self.telemetry.group(g)
             if g.error is not None:
@@ -152,7 +155,14 @@ class Controller:
             if self.cfg.advantages.filter_zero_variance and max(g.rewards) == min(g.rewards):
                 self.staleness.on_rejected()
                 self.ledger.record(ticket, "filtered", self.step, reason=f"all rewards {g.rewards[0]:g}")
+                self.filtered_in_a_row += 1
+                if self.filtered_in_a_row >= self.cfg.train.max_filtered_in_a_row:
+                    raise RuntimeError(
+                        f"{self.filtered_in_a_row} groups in a row had all-equal rewards (last: {g.rewards[0]:g}); the task gives "
+                        "no learning signal at this accuracy (raise train.max_filtered_in_a_row or change the task)"
+                    )
             else:
+                self.filtered_in_a_row = 0
                 self.staleness.on_accepted()
                 self.buffer.append((ticket, g))
 
@@ -213,7 +223,9 @@ class Controller:
         self.backend.submit(worker, problem, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
 
     def _eval_result(self, rnd: int, g: GroupResult | None) -> None:
-        ev = self.evals[rnd]
+        ev = self.evals.get(rnd)
+        if ev is None:
+            return  # a late duplicate of a re-submitted evaluation prompt
         if g is not None:
             ev.results.append(g)
             pending = self.eval_pending.get((rnd, g.worker), [])

@@ -167,6 +167,7 @@ class RayBackend(Backend):
         """A restarted worker loads the newest publication before it is given work again."""
         try:
             ray.get(probe)
+            ray.get(self.actors[worker].reset.remote())  # a worker that only looked dead still holds re-queued work
             if self._publication is not None:
                 self._serving[worker] = ray.get(self.actors[worker].update_weights.remote(self._publication.refs))
             else:

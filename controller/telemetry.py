@@ -135,8 +135,8 @@ class Telemetry:
             rows += [
                 ("steps this session", f"{len(self.steps)} (to step {self.steps[-1]['step']})"),
                 ("seconds per step", f"{mean('step_seconds'):.1f}"),
-                ("learner tokens/s", f"{mean('learner/tokens_per_second'):.1f}"),
-                ("rollout tokens/s", f"{mean('rollout/tokens_per_second'):.1f}"),
+                ("learner response tokens/s", f"{mean('learner/tokens_per_second'):.1f}"),
+                ("rollout response tokens/s", f"{mean('rollout/tokens_per_second'):.1f}"),
                 ("train reward, first -> last step", f"{self.steps[0]['reward/mean']:.3f} -> {self.steps[-1]['reward/mean']:.3f}"),
                 ("|pi-mu| mean, lag 0 (numerics)", f"{mean('gap/numerics/abs_shift_mean'):.5f}"),
                 ("|pi-mu| mean, lag >= 1 (staleness)", f"{mean('gap/staleness/abs_shift_mean'):.5f}"),

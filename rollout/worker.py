@@ -87,6 +87,13 @@ class RolloutWorker:
             self._inbox.put((p, tag, n or self.sampling.n))
         return self._inbox.qsize()
 
+    def reset(self) -> None:
+        """Forget queued work and finished groups not yet collected (after the controller re-queued
+        them elsewhere); a batch being generated still finishes and is reported."""
+        self.cancel_queued()
+        with self._lock:
+            self._outbox, self._started = [], []
+
     def cancel_queued(self) -> list[tuple[str, str]]:
         """Take back every queued problem not yet started; returns their (problem id, tag)."""
         taken, keep = [], []

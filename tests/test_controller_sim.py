@@ -154,3 +154,9 @@ def test_worker_crashes_lose_no_prompt_and_count_none_twice(tmp_path, seed):
     pending = {(t["epoch"], t["id"]) for t in state["sampler"]["requeued"]}
     for epoch in range(state["sampler"]["epoch"] + 1):
         assert {(epoch, i) for i in sampler.issued(epoch)} == {k for k in keys + list(pending) if k[0] == epoch}
+
+
+def test_a_task_without_signal_stops_with_the_reason(tmp_path):
+    cfg = sim_config(tmp_path, workers=4, steps=10, max_filtered_in_a_row=300, sim={"accuracy": 0.0})
+    with pytest.raises(RuntimeError, match="300 groups in a row had all-equal rewards"):
+        train(cfg)

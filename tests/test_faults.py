@@ -95,7 +95,7 @@ def test_bad_engine_output_empty_responses_and_failing_rewards_are_recorded(ray_
 
 
 def test_bad_dataset_rows_and_prompts_are_skipped_or_failed_by_name(ray_local, tiny_chat_model, tmp_path):
-    rows = [{"prompt": p.prompt, "answer": p.ground_truth, "id": p.id} for p in arithmetic_split("train", 40)]
+    rows = [{"prompt": p.prompt, "answer": p.ground_truth, "id": p.id} for p in arithmetic_split("train", 20)]
     bad = [
         "{not json", json.dumps({"prompt": "What is 2+2?"}), json.dumps({"prompt": "   ", "answer": "1"}),
         json.dumps({"prompt": "x" * 5000, "answer": "1"}), json.dumps(["a list"]),
@@ -116,8 +116,9 @@ def test_bad_dataset_rows_and_prompts_are_skipped_or_failed_by_name(ray_local, t
     assert "no prompt" in report["skipped"][2]["reason"] and "5000 characters" in report["skipped"][3]["reason"]
     ids = [r["id"] for r in rows[:10]] + ["too-many-tokens"] + [r["id"] for r in rows[10:]]  # file order
     state = assert_ledger_exact(Path(cfg.run_dir), ids, cfg.seed, 3, cfg.train.prompts_per_step, cfg.train.max_staleness)
+    # 21 prompts and about 40 draws for 3 steps: the whole first epoch, this prompt included, was drawn
     long = [e for e in state["ledger"] if e["id"] == "too-many-tokens"]
-    assert not long or (long[0]["outcome"] == "failed" and "more than max_prompt_tokens=200" in long[0]["reason"])
+    assert long and all(e["outcome"] == "failed" and "more than max_prompt_tokens=200" in e["reason"] for e in long)
 
 
 def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(tiny_chat_model, tmp_path):

@@ -1,0 +1,189 @@
+"""The DRPO paper's comparison at small scale (from the repo root):
+
+    .venv/bin/python -m benchmarks.experiments.run                      # the grid in grid.yaml
+    .venv/bin/python -m benchmarks.experiments.run --only drpo,grpo     # a subset of objectives
+    .venv/bin/python -m benchmarks.experiments.run --docs docs/results.md
+
+Runs every cell (objective x mismatch setting x seed, plus the drpo delta sweep) as a real drpo
+training run on one local Ray cluster, one after the other, into OUT/cells/NAME (a finished cell is
+not run again, so an interrupted grid resumes). Writes OUT/results.json, OUT/results.md (the table)
+and OUT/accuracy.png (held-out accuracy per setting); ``--docs`` also writes the markdown report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).parent
+COLLAPSE_DROP = 0.5
+"""A collapse: held-out accuracy falls below half its best so far, or the loss or gradient norm is not finite."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    objective: str
+    setting: str
+    seed: int
+    overrides: tuple[str, ...]
+
+
+def _overrides(values: dict) -> list[str]:
+    """--set strings; values as JSON, which YAML reads back unchanged (null, numbers, mappings)."""
+    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
+
+
+def cells(grid: dict, only: set[str] | None = None) -> list[Cell]:
+    out = []
+    for obj in grid["objectives"]:
+        if only and obj["name"] not in only:
+            continue
+        for setting, sets in grid["settings"].items():
+            for seed in grid["seeds"]:
+                over = [f"learner.objective={json.dumps(obj['objective'])}", f"seed={seed}", *_overrides(sets)]
+                out.append(Cell(f"{obj['name']}-{setting}-s{seed}", obj["name"], setting, seed, tuple(over)))
+    sweep = grid.get("delta_sweep")
+    if sweep and (not only or "drpo" in only):
+        for delta in sweep["deltas"]:
+            for seed in sweep["seeds"]:
+                over = [f"learner.objective={{type: drpo, delta: {delta}}}", f"seed={seed}",
+                        *_overrides(grid["settings"][sweep["setting"]])]
+                out.append(Cell(f"drpo-d{delta}-{sweep['setting']}-s{seed}", f"drpo δ={delta}", sweep["setting"], seed, tuple(over)))
+    return out
+
+
+def summarize(run_dir: Path, target: float) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+
+    def mean(key):
+        got = [s[key] for s in steps if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])]
+        return sum(got) / len(got) if got else None
+
+    collapses, best = 0, 0.0
+    for e in evals:
+        if best > 0 and e["accuracy"] < COLLAPSE_DROP * best:
+            collapses += 1
+        best = max(best, e["accuracy"])
+    collapses += sum(not math.isfinite(s.get("learner/loss", 0.0)) or not math.isfinite(s.get("learner/grad_norm", 0.0)) for s in steps)
+    reached = [e["step"] for e in evals if e["accuracy"] >= target]
+    return {
+        "start_accuracy": evals[0]["accuracy"] if evals else None, "final_accuracy": evals[-1]["accuracy"] if evals else None,
+        "best_accuracy": best if evals else None, "eval_samples": evals[-1]["samples"] if evals else 0,
+        "steps_to_target": reached[0] if reached else None, "collapses": collapses,
+        "gap_lag0": mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": mean("gap/staleness/abs_shift_mean"),
+        "corrective_frac": mean("objective/corrective_frac"), "regularizer_mean": mean("objective/regularizer_mean"),
+        "seconds": (steps[-1]["time"] - steps[0]["time"]) if len(steps) > 1 else None,
+        "curve": [(e["step"], e["accuracy"]) for e in evals],
+    }
+
+
+def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = None, log=print) -> list[dict]:
+    from controller.app import train
+    from controller.config import load_config
+
+    base = [f"model.path={model_path}", *_overrides(grid["base"])]
+    rows = []
+    for cell in cells(grid, only):
+        run_dir = out / "cells" / cell.name
+        done = run_dir / "summary.json"
+        if not done.is_file():
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)  # an interrupted cell starts over
+            cfg = load_config(overrides=[*base, *cell.overrides, f"run_dir={run_dir}"])
+            started = time.time()
+            log(f"[{len(rows) + 1}] {cell.name}")
+            try:
+                train(cfg)
+                summary = {**summarize(run_dir, grid["target_accuracy"]), "error": None}
+            except Exception as err:  # a diverging run is a result, not a reason to stop the grid
+                summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
+            summary["wall_seconds"] = time.time() - started
+            done.write_text(json.dumps(summary))
+        rows.append({"cell": cell.name, "objective": cell.objective, "setting": cell.setting, "seed": cell.seed, **json.loads(done.read_text())})
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _fmt(v, digits=3):
+    return "–" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| objective | setting | seed | final acc | best acc | n | steps to target | collapses | "
+            "mean \\|π−μ\\| lag 0 | lag ≥ 1 | corrective | regularizer |\n|" + "---|" * 12 + "\n")
+    lines = [
+        f"| {r['objective']} | {r['setting']} | {r['seed']} | {_fmt(r.get('final_accuracy'))} | {_fmt(r.get('best_accuracy'))} | "
+        f"{r.get('eval_samples', 0)} | {_fmt(r.get('steps_to_target'))} | {r.get('collapses', 0)}"
+        f"{' (' + r['error'][:40] + ')' if r.get('error') else ''} | {_fmt(r.get('gap_lag0'))} | {_fmt(r.get('gap_lag1plus'))} | "
+        f"{_fmt(r.get('corrective_frac'))} | {_fmt(r.get('regularizer_mean'))} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({r["setting"] for r in rows})
+    fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for r in rows:
+            if r["setting"] == setting and r.get("curve"):
+                xs, ys = zip(*r["curve"])
+                ax.plot(xs, ys, marker="o", markersize=3, label=f"{r['objective']} s{r['seed']}")
+        ax.set_title(setting)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out accuracy")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", default=str(HERE / "grid.yaml"))
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--only", help="comma-separated objective names")
+    parser.add_argument("--docs", help="also write the markdown report here (docs/results.md)")
+    args = parser.parse_args()
+    grid = yaml.safe_load(Path(args.grid).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from benchmarks.experiments.standin import StandinSpec, build_standin
+    from controller.cli import _init_ray
+    from controller.config import load_config
+    from rollout.offline_model import materialize_smollm2
+
+    smollm2 = materialize_smollm2()
+    model = smollm2 if grid["model"] == "smollm2" else build_standin(out / "standin", smollm2, StandinSpec(**grid.get("standin", {})))
+    _init_ray(load_config())
+    rows = run_grid(grid, out, str(model), set(args.only.split(",")) if args.only else None)
+    (out / "results.md").write_text(table(rows))
+    plot(rows, out / "accuracy.png")
+    print(table(rows))
+    if args.docs:
+        Path(args.docs).write_text(
+            f"# Results\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {args.grid}`; machine: "
+            f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}.\n\n{table(rows)}"
+        )
+
+
+if __name__ == "__main__":
+    main()

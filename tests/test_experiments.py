@@ -1,0 +1,42 @@
+"""The experiments grid runner, on its CI smoke subset (benchmarks/experiments/smoke.yaml) with a tiny
+model: every cell trains for real, the table and the plot come out, and a rerun skips finished cells."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from benchmarks.experiments.run import HERE, cells, plot, run_grid, table
+from tests.test_controller_e2e import tiny_chat_model  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+
+
+def test_the_full_grid_names_every_cell_once():
+    grid = yaml.safe_load((HERE / "grid.yaml").read_text())
+    names = [c.name for c in cells(grid)]
+    assert len(names) == len(set(names)) == 6 * 4 * 2 + 4
+    assert {c.setting for c in cells(grid)} == {"fp32", "bf16", "fp8", "async-eta4"}
+
+
+def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_model, tmp_path):  # noqa: F811
+    grid = yaml.safe_load((HERE / "smoke.yaml").read_text())
+    rows = run_grid(grid, tmp_path, str(tiny_chat_model))
+    assert [r["cell"] for r in rows] == [c.name for c in cells(grid)] and len(rows) == 5
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["eval_samples"] == 8 and 0.0 <= r["final_accuracy"] <= 1.0 and len(r["curve"]) == 3  # start + 2 steps
+    fp8 = [r for r in rows if r["setting"] == "fp8"]
+    assert all(r["gap_lag0"] is not None and r["gap_lag0"] > 0 for r in fp8)  # fp8 rollout vs fp32 learner: a real gap
+    drpo = [r for r in rows if r["objective"].startswith("drpo")]
+    assert all(r["regularizer_mean"] is not None and math.isfinite(r["corrective_frac"]) for r in drpo)
+    text = table(rows)
+    assert text.count("\n") == len(rows) + 2 and "| drpo δ=0.5 | fp8 | 0 |" in text
+    plot(rows, tmp_path / "accuracy.png")
+    assert (tmp_path / "accuracy.png").read_bytes().startswith(b"\x89PNG")
+    stamps = {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
+    again = run_grid(grid, tmp_path, str(tiny_chat_model))  # finished cells are not run again
+    assert again == rows
+    assert stamps == {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
