@@ -8,7 +8,9 @@
 # PYTHON the interpreter on the cluster (default python). The job's driver joins the cluster
 # (Ray sets RAY_ADDRESS for it), so `drpo train` places its learner and rollout placement groups
 # on the cluster's nodes. Extra arguments go to `drpo train`; with none, the cluster preset runs.
-# Waits for the job and exits with its status (--no-wait via SUBMIT_FLAGS=--no-wait).
+# Waits for the job and exits with its status (--no-wait via SUBMIT_FLAGS=--no-wait). A head that
+# has just started may answer "No available agent to submit job": the submission is retried then
+# (SUBMIT_RETRIES times, 5 s apart), and only then.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
@@ -18,5 +20,18 @@ if [ "$#" -eq 0 ]; then
     set -- --config controller/presets/cluster-gpu.yaml
 fi
 RAY="${RAY:-ray}"
-exec "$RAY" job submit --address "$RAY_ADDRESS" --runtime-env "$RUNTIME_ENV" ${SUBMIT_FLAGS:-} \
-    -- "$PYTHON" -m controller.cli train "$@"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+for _ in $(seq 1 "${SUBMIT_RETRIES:-12}"); do
+    set +e
+    "$RAY" job submit --address "$RAY_ADDRESS" --runtime-env "$RUNTIME_ENV" ${SUBMIT_FLAGS:-} \
+        -- "$PYTHON" -m controller.cli train "$@" 2>&1 | tee "$log"
+    status="${PIPESTATUS[0]}"
+    set -e
+    if [ "$status" -eq 0 ] || ! grep -q "No available agent to submit job" "$log"; then
+        exit "$status"
+    fi
+    echo "submit.sh: the head's job agent is not ready yet; retrying in 5 s" >&2
+    sleep 5
+done
+exit 1
