@@ -84,7 +84,11 @@ def ray_head(tmp_path):
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--num-cpus=2",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--disable-usage-stats",
-         f"--temp-dir={short_tmp}"],
+         # every per-node agent on its own free port: another Ray instance on this machine (this
+         # module's local cluster) already holds the defaults, and the job agent would not start
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+         f"--ray-client-server-port={free_port()}", f"--temp-dir={short_tmp}"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
