@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from controller.cli import main
-from tests.test_controller_e2e import tiny_chat_model  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -31,7 +30,7 @@ def three_node_cluster(monkeypatch):
     cluster.shutdown()
 
 
-def test_train_on_an_existing_cluster_places_learner_and_rollout_on_their_nodes(three_node_cluster, tiny_chat_model, tmp_path):  # noqa: F811
+def test_train_on_an_existing_cluster_places_learner_and_rollout_on_their_nodes(three_node_cluster, tiny_chat_model, tmp_path):
     cluster, nodes = three_node_cluster
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({

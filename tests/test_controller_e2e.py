@@ -8,45 +8,11 @@ import math
 import shutil
 
 import pytest
-import torch
 
 from controller.app import train
 from controller.config import RunConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm2_folder):
-    """2 layers, hidden 32, SmolLM2's 49,152-token vocabulary and chat template, random weights with
-    two edits so replies are short digit strings (some right, most wrong: groups with reward
-    variance to learn from). The small random layers leave the residual stream close to the input
-    token's embedding, so: every embedding carries +10 in hidden dimension 0 and digits also in
-    dimension 1; the output head's digit rows read dimension 0 and its end-of-turn row mostly
-    dimension 1. A reply starts with a digit and most often ends right after it."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-chat-llama")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_folder / name, folder / name)
-    tok = AutoTokenizer.from_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg)
-    digits = tok.convert_tokens_to_ids(list("0123456789"))
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.model.embed_tokens.weight[digits, 1] = 10.0
-        head = torch.zeros_like(model.lm_head.weight)
-        head[digits] = torch.randn(len(digits), cfg.hidden_size) * 0.5
-        head[digits, 0], head[digits, 1] = 2.5, 0.0
-        head[2, 0], head[2, 1] = 2.0, 1.5
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(folder)
-    return folder
 
 
 def run_config(tmp_path, model, **train) -> RunConfig:

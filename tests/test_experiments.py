@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from benchmarks.experiments.run import HERE, cells, plot, run_grid, table
-from tests.test_controller_e2e import tiny_chat_model  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -21,7 +20,7 @@ def test_the_full_grid_names_every_cell_once():
     assert {c.setting for c in cells(grid)} == {"fp32", "bf16", "fp8", "async-eta4"}
 
 
-def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_model, tmp_path):  # noqa: F811
+def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_model, tmp_path):
     grid = yaml.safe_load((HERE / "smoke.yaml").read_text())
     rows = run_grid(grid, tmp_path, str(tiny_chat_model))
     assert [r["cell"] for r in rows] == [c.name for c in cells(grid)] and len(rows) == 5

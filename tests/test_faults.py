@@ -18,12 +18,11 @@ import pytest
 import yaml
 
 from controller.app import train
-from controller.backend import LearnerLost
 from controller.config import ChaosConfig, RunConfig
 from learner.checkpoint import CheckpointError
 from rollout.tasks import arithmetic_split
 from tests.fault_checks import assert_ledger_exact
-from tests.test_controller_e2e import run_config, tiny_chat_model  # noqa: F401  (fixture)
+from tests.test_controller_e2e import run_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]

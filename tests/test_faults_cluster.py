@@ -12,8 +12,8 @@ import pytest
 from controller.app import train
 from controller.backend import LearnerLost
 from tests.fault_checks import assert_ledger_exact
-from tests.test_controller_e2e import run_config, tiny_chat_model  # noqa: F401  (fixture)
-from tests.test_faults import TRAIN_IDS, records, when, with_train
+from tests.test_controller_e2e import run_config
+from tests.test_faults import TRAIN_IDS, records, when
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def cluster_config(tmp_path, model, steps):
     })
 
 
-def test_losing_a_rollout_node_slows_training_but_it_goes_on(cluster, tiny_chat_model, tmp_path):  # noqa: F811
+def test_losing_a_rollout_node_slows_training_but_it_goes_on(cluster, tiny_chat_model, tmp_path):
     c, nodes = cluster
     cfg = cluster_config(tmp_path, tiny_chat_model, steps=6)
     run_dir = Path(cfg.run_dir)
@@ -66,7 +66,7 @@ def test_losing_a_rollout_node_slows_training_but_it_goes_on(cluster, tiny_chat_
     assert_ledger_exact(run_dir, TRAIN_IDS, cfg.seed, 6, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 
-def test_losing_the_learner_node_stops_clearly_and_the_run_resumes(cluster, tiny_chat_model, tmp_path):  # noqa: F811
+def test_losing_the_learner_node_stops_clearly_and_the_run_resumes(cluster, tiny_chat_model, tmp_path):
     c, nodes = cluster
     cfg = cluster_config(tmp_path, tiny_chat_model, steps=6)
     run_dir = Path(cfg.run_dir)

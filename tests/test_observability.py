@@ -19,14 +19,14 @@ import yaml
 from controller.app import train
 from learner.distributed import free_port
 from tests.prometheus_server import Prometheus, alert_rules, dashboard_queries, with_bool
-from tests.test_controller_e2e import run_config, tiny_chat_model  # noqa: F401  (fixture)
+from tests.test_controller_e2e import run_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):  # noqa: F811
+def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):
     """A 6-step async run with 1 s scrapes; returns (prometheus, a time at which the run was live)."""
     tmp = tmp_path_factory.mktemp("observed")
     metrics_port = free_port()
@@ -111,7 +111,7 @@ def ray_head(tmp_path):
         shutil.rmtree(short_tmp, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_training_and_its_metrics_are_scraped(ray_head, tiny_chat_model, tmp_path):  # noqa: F811
+def test_ray_job_submit_runs_training_and_its_metrics_are_scraped(ray_head, tiny_chat_model, tmp_path):
     ray_bin, job_api, env = ray_head
     metrics_port = free_port()
     prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}", free_port())
