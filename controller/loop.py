@@ -39,7 +39,6 @@ class _Flight:
 
 @dataclass
 class _Eval:
-    round: int
     version: int
     expected: int
     results: list[GroupResult] = field(default_factory=list)
@@ -68,7 +67,6 @@ class Controller:
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
         self.failures_in_a_row = self.filtered_in_a_row = 0
-        self.worker_losses = 0
         self.eval_pending: dict[tuple[int, int], list[Problem]] = {}
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -121,7 +119,6 @@ class Controller:
             self.staleness.on_cancelled()
         self.sampler.requeue(tickets)
         self.load[worker] = 0
-        self.worker_losses += 1
         for (rnd, w), problems in list(self.eval_pending.items()):
             if w == worker:
                 del self.eval_pending[(rnd, w)]
@@ -210,7 +207,7 @@ class Controller:
         """Held-out accuracy of the served weights: every test prompt, ``eval.samples_per_prompt`` samples."""
         rnd = self.eval_rounds
         self.eval_rounds += 1
-        self.evals[rnd] = _Eval(rnd, self.version, len(self.test))
+        self.evals[rnd] = _Eval(self.version, len(self.test))
         for p in self.test:
             self._submit_eval(rnd, p)
         while blocking and rnd in self.evals:
@@ -279,11 +276,10 @@ class Controller:
         tmp.mkdir(parents=True)
         self.backend.save(str(tmp))
         pending = sorted(self.in_flight, key=lambda t: self._start_bound(self.in_flight[t])) + [t for t, _ in self.buffer]
-        stats = self.staleness.stats()
         state = {
             "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
-            "staleness": {"accepted": stats.accepted - len(self.buffer), "rejected": stats.rejected, "admitted": stats.admitted},
+            "staleness": self.staleness.state_dict(requeued=len(self.buffer)),
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)

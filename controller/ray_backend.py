@@ -132,6 +132,7 @@ class RayBackend(Backend):
         pending = list(self._collects) + (self._train or []) + list(self._acks) + list(self._probes)  # an ack can open admission
         ray.wait(pending, num_returns=1, timeout=PROBE_SECONDS if not self._down else 1.0)
         ready = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0])
+        self._collect_acks(ready)
         events = Events()
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
@@ -146,12 +147,13 @@ class RayBackend(Backend):
             self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
         for ref in [r for r in self._probes if r in ready]:
             self._revive(self._probes.pop(ref), ref, events)
-        if self._train and all(r in ready for r in self._train):
-            per_rank, self._train = self._learner_call(ray.get, self._train), None
-            values, tokens, seconds = merge_step_metrics(per_rank[0])
-            values.update(self._train_extra)
-            events = Events(events.groups, TrainResult(per_rank[0][-1].version, tokens, seconds, values), events.started, events.lost, events.revived)
-        return events
+        if not (self._train and all(r in ready for r in self._train)):
+            return events
+        per_rank, self._train = self._learner_call(ray.get, self._train), None
+        values, tokens, seconds = merge_step_metrics(per_rank[0])
+        values.update(self._train_extra)
+        trained = TrainResult(per_rank[0][-1].version, tokens, seconds, values)
+        return Events(events.groups, trained, events.started, events.lost, events.revived)
 
     def _probe_down_workers(self) -> None:
         """A heartbeat to every dead worker without one in flight: Ray holds it until the actor has
@@ -203,19 +205,20 @@ class RayBackend(Backend):
             if i not in self._down:
                 self._acks[a.update_weights.remote(publication.refs)] = i
         if wait and self._acks:
-            ray.wait(list(self._acks), num_returns=len(self._acks))
-            self.worker_version(0)  # collect the acks
+            self._collect_acks(set(ray.wait(list(self._acks), num_returns=len(self._acks))[0]))
         return time.monotonic() - started
 
+    def _collect_acks(self, ready: set) -> None:
+        """Record the version of every worker whose ``update_weights`` returned (among ``ready``)."""
+        for ref in [r for r in self._acks if r in ready]:
+            w = self._acks.pop(ref)
+            try:
+                self._serving[w] = max(self._serving[w], ray.get(ref))
+            except RayActorError:
+                pass  # the worker died; its poll reports it
+
     def worker_version(self, worker: int) -> int:
-        if self._acks:
-            done, _ = ray.wait(list(self._acks), num_returns=len(self._acks), timeout=0)
-            for ref in done:
-                w = self._acks.pop(ref)
-                try:
-                    self._serving[w] = max(self._serving[w], ray.get(ref))
-                except RayActorError:
-                    pass  # the worker died; its poll reports it
+        """The newest version ``worker`` acknowledged, as of the last ``wait`` (acks are waited on there)."""
         return self._serving[worker]
 
     def _learner_call(self, fn, *args):

@@ -37,8 +37,6 @@ class SimulatedBackend(Backend):
         self._queues = [deque() for _ in range(workers)]
         self._busy = [False] * workers
         self._serving = [0] * workers
-        self._learner_version = 0
-        self.busy_seconds = {"rollout": 0.0, "train": 0.0}
         self._started: list[Started] = []
         self._down = [False] * workers
         self._incarnation = [0] * workers
@@ -68,7 +66,6 @@ class SimulatedBackend(Backend):
         seconds = lognormal(self.rng, self.cfg.gen_seconds, self.cfg.gen_cv)
         if self.rng.random() < self.cfg.crash_rate:
             self._at(seconds * self.rng.random(), ("crash", (worker, self._incarnation[worker])))
-        self.busy_seconds["rollout"] += seconds
         rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
         if self.rng.random() < self.cfg.failure_rate:
             group = GroupResult(problem_id, tag, worker, (), None, 0, error="simulated engine failure")
@@ -85,7 +82,6 @@ class SimulatedBackend(Backend):
 
     def start_train(self, groups: list[GroupResult], version: int) -> None:
         seconds = lognormal(self.rng, self.cfg.train_seconds, self.cfg.train_cv)
-        self.busy_seconds["train"] += seconds
         tokens = sum(g.tokens for g in groups)
         self._at(seconds, ("train", TrainResult(version + 1, tokens, seconds, {"learner/loss": 0.0})))
 
@@ -126,7 +122,6 @@ class SimulatedBackend(Backend):
                 revived.append(payload)
             elif kind == "train":
                 trained = payload
-                self._learner_version = payload.version
             else:  # "weights": a publication arrives at a worker
                 worker, version = payload
                 self._serving[worker] = max(self._serving[worker], version)
@@ -148,5 +143,4 @@ class SimulatedBackend(Backend):
         return self._serving[worker]
 
     def load(self, folder: str, version: int) -> None:
-        self._learner_version = version
         self._serving = [version] * self.workers

@@ -113,10 +113,12 @@ class StalenessManager:
         with self._lock:
             return StalenessStats(self._version(), self._accepted, self._running, self._rejected, max(0, self._capacity()), self._admitted)
 
-    def state_dict(self) -> dict:
-        """Counters to checkpoint; in-flight rollouts are re-queued on resume, so running is not saved."""
+    def state_dict(self, requeued: int = 0) -> dict:
+        """Counters to checkpoint. In-flight rollouts are re-queued on resume, so running is not
+        saved; ``requeued`` accepted samples (buffered, not trained) will be admitted again, so they
+        leave the accepted count: a resumed run admits what a run at this boundary would."""
         with self._lock:
-            return {"accepted": self._accepted, "rejected": self._rejected, "admitted": self._admitted}
+            return {"accepted": self._accepted - requeued, "rejected": self._rejected, "admitted": self._admitted}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:

@@ -33,7 +33,6 @@ class Telemetry:
         self._file = (self.run_dir / "metrics.jsonl").open("a")
         self.cfg, self.total_steps, self.clock = cfg, total_steps, clock
         self.exporter = PrometheusExporter(cfg.host, cfg.port) if cfg.port is not None else None
-        self.last: dict[str, float] = {}
         self.steps: list[dict] = []
         self.evals: list[dict] = []
         self._tty = sys.stderr.isatty()
@@ -99,7 +98,6 @@ class Telemetry:
     def _publish(self, values: dict, record: dict | None = None) -> None:
         self._write(record if record is not None else values)
         values = {**values, "last_step_timestamp_seconds": time.time()} if record is None else values
-        self.last.update(values)
         if self.exporter is not None:
             self.exporter.set(values)
 
