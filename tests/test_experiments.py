@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from benchmarks.experiments.run import HERE, cells, plot, run_grid, table
+from benchmarks.experiments.run import BEGIN, END, HERE, cells, plot, run_grid, summary_table, table, write_docs
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 def test_the_full_grid_names_every_cell_once():
     grid = yaml.safe_load((HERE / "grid.yaml").read_text())
     names = [c.name for c in cells(grid)]
-    assert len(names) == len(set(names)) == 6 * 4 * 2 + 4
+    assert len(names) == len(set(names)) == 6 * 4 * 2 + 3
     assert {c.setting for c in cells(grid)} == {"fp32", "bf16", "fp8", "async-eta4"}
 
 
@@ -35,6 +35,18 @@ def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_mo
     assert text.count("\n") == len(rows) + 2 and "| drpo δ=0.5 | fp8 | 0 |" in text
     plot(rows, tmp_path / "accuracy.png")
     assert (tmp_path / "accuracy.png").read_bytes().startswith(b"\x89PNG")
+    means = summary_table(rows)  # one line per (objective, setting); one seed here, so the mean is the cell
+    assert means.count("\n") == len(rows) + 2
+    drpo_fp8 = next(r for r in rows if r["cell"] == "drpo-fp8-s0")
+    assert f"| drpo | fp8 | 1 | {drpo_fp8['final_accuracy']:.3g} |" in means
+    page = tmp_path / "docs" / "results.md"
+    write_docs(page, rows, tmp_path, str(HERE / "smoke.yaml"), grid)
+    page.write_text("# Results\n\nA written reading.\n" + page.read_text().split("# Results\n\n", 1)[1] + "\nMore reading.\n")
+    write_docs(page, rows, tmp_path, str(HERE / "smoke.yaml"), grid)  # regenerating keeps the prose around the block
+    text = page.read_text()
+    assert text.startswith("# Results\n\nA written reading.\n" + BEGIN) and text.endswith(END + "\n\nMore reading.\n")
+    assert text.count(BEGIN) == 1 and means in text and "--grid benchmarks/experiments/smoke.yaml" in text
+    assert (tmp_path / "docs" / "results" / "accuracy.png").read_bytes().startswith(b"\x89PNG")
     stamps = {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
     again = run_grid(grid, tmp_path, str(tiny_chat_model))  # finished cells are not run again
     assert again == rows

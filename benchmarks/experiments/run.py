@@ -133,6 +133,59 @@ def table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _mean(values):
+    got = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(got) / len(got) if got else None
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per (objective, setting): means over seeds, collapses and errors summed."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["objective"], r["setting"]), []).append(r)
+    head = ("| objective | setting | seeds | mean final acc | mean best acc | min final acc | reached target | collapses | "
+            "mean \\|π−μ\\| lag 0 | lag ≥ 1 | corrective | regularizer |\n|" + "---|" * 12 + "\n")
+    lines = []
+    for (objective, setting), rs in groups.items():
+        finals = [r.get("final_accuracy") for r in rs if r.get("final_accuracy") is not None]
+        lines.append(
+            f"| {objective} | {setting} | {len(rs)} | {_fmt(_mean(finals))} | {_fmt(_mean(r.get('best_accuracy') for r in rs))} | "
+            f"{_fmt(min(finals) if finals else None)} | {sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)} | "
+            f"{sum(r.get('collapses', 0) for r in rs)} | {_fmt(_mean(r.get('gap_lag0') for r in rs))} | "
+            f"{_fmt(_mean(r.get('gap_lag1plus') for r in rs))} | {_fmt(_mean(r.get('corrective_frac') for r in rs))} | "
+            f"{_fmt(_mean(r.get('regularizer_mean') for r in rs))} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- results:begin (written by benchmarks/experiments/run.py --docs) -->", "<!-- results:end -->"
+
+
+def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: dict) -> None:
+    """The generated part of the report page: command, machine, tables, plot. Text outside the
+    markers (the written reading of the results) is kept when the page already exists."""
+    import os
+    import shutil
+
+    path = Path(path)
+    assets = path.parent / path.stem
+    assets.mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "accuracy.png", assets / "accuracy.png")
+    seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
+    generated = (
+        f"{BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {os.path.relpath(grid_path)} --docs {path}` "
+        f"(model: {grid['model']}); machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}; {len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n"
+        f"### Means over seeds\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
+        f"![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n{END}"
+    )
+    old = path.read_text() if path.is_file() else f"# Results\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in old or END not in old:
+        raise ValueError(f"{path} has no '{BEGIN}' ... '{END}' block to replace")
+    head, rest = old.split(BEGIN, 1)
+    path.write_text(head + generated + rest.split(END, 1)[1])
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -141,11 +194,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
     settings = sorted({r["setting"] for r in rows})
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
+    colors = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["objective"] for r in rows))}
     for ax, setting in zip(axes[0], settings):
         for r in rows:
             if r["setting"] == setting and r.get("curve"):
                 xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, marker="o", markersize=3, label=f"{r['objective']} s{r['seed']}")
+                ax.plot(xs, ys, marker="o", markersize=3, color=colors[r["objective"]],
+                        linestyle=("-", "--", ":", "-.")[r["seed"] % 4], label=f"{r['objective']} s{r['seed']}")
         ax.set_title(setting)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out accuracy")
@@ -177,13 +232,9 @@ def main() -> None:
     rows = run_grid(grid, out, str(model), set(args.only.split(",")) if args.only else None)
     (out / "results.md").write_text(table(rows))
     plot(rows, out / "accuracy.png")
-    print(table(rows))
+    print(summary_table(rows))
     if args.docs:
-        Path(args.docs).write_text(
-            f"# Results\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {args.grid}`; machine: "
-            f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}.\n\n{table(rows)}"
-        )
-
+        write_docs(Path(args.docs), rows, out, args.grid, grid)
 
 if __name__ == "__main__":
     main()
