@@ -8,7 +8,9 @@ import math
 import pytest
 import yaml
 
-from benchmarks.experiments.run import BEGIN, END, HERE, cells, plot, run_grid, summary_table, table, write_docs
+from benchmarks.experiments.run import (
+    BEGIN, END, HERE, _fmt, cells, noise_floor, objective_table, plot, run_grid, summary_table, table, write_docs,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -38,7 +40,11 @@ def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_mo
     means = summary_table(rows)  # one line per (objective, setting); one seed here, so the mean is the cell
     assert means.count("\n") == len(rows) + 2
     drpo_fp8 = next(r for r in rows if r["cell"] == "drpo-fp8-s0")
-    assert f"| drpo | fp8 | 1 | {drpo_fp8['final_accuracy']:.3g} |" in means
+    assert f"| drpo | fp8 | 1 | {_fmt(drpo_fp8['start_accuracy'])} | {_fmt(drpo_fp8['final_accuracy'])} |" in means
+    assert drpo_fp8["train_reward_last5"] is not None and drpo_fp8["grad_norm_max"] > 0 and drpo_fp8["gap_max"] >= drpo_fp8["gap_lag0"]
+    pooled = objective_table(rows)  # grpo: 2 cells (fp8, async); drpo: 2; drpo δ=0.5: 1
+    assert "| grpo | 2 |" in pooled and "| drpo δ=0.5 | 1 |" in pooled
+    assert noise_floor(rows).startswith(f"Evaluation noise: the starting model's held-out accuracy over the {len(rows)} cells'")
     page = tmp_path / "docs" / "results.md"
     write_docs(page, rows, tmp_path, str(HERE / "smoke.yaml"), grid)
     page.write_text("# Results\n\nA written reading.\n" + page.read_text().split("# Results\n\n", 1)[1] + "\nMore reading.\n")

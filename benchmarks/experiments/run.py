@@ -60,14 +60,22 @@ def cells(grid: dict, only: set[str] | None = None) -> list[Cell]:
     return out
 
 
+def _mean(values):
+    got = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(got) / len(got) if got else None
+
+
 def summarize(run_dir: Path, target: float) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if r["kind"] == "step"]
     evals = [r for r in records if r["kind"] == "eval"]
 
-    def mean(key):
+    def mean(key, rows=steps):
+        return _mean(s.get(key) for s in rows)
+
+    def largest(key):
         got = [s[key] for s in steps if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])]
-        return sum(got) / len(got) if got else None
+        return max(got) if got else None
 
     collapses, best = 0, 0.0
     for e in evals:
@@ -82,8 +90,10 @@ def summarize(run_dir: Path, target: float) -> dict:
         "steps_to_target": reached[0] if reached else None, "collapses": collapses,
         "gap_lag0": mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": mean("gap/staleness/abs_shift_mean"),
         "corrective_frac": mean("objective/corrective_frac"), "regularizer_mean": mean("objective/regularizer_mean"),
+        "gap_max": largest("gap/abs_shift_max"), "grad_norm_max": largest("learner/grad_norm"),
+        "train_reward_last5": mean("reward/mean", steps[-5:]),
         "seconds": (steps[-1]["time"] - steps[0]["time"]) if len(steps) > 1 else None,
-        "curve": [(e["step"], e["accuracy"]) for e in evals],
+        "curve": [[e["step"], e["accuracy"]] for e in evals],
     }
 
 
@@ -111,7 +121,10 @@ def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = Non
                 summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
             summary["wall_seconds"] = time.time() - started
             done.write_text(json.dumps(summary))
-        rows.append({"cell": cell.name, "objective": cell.objective, "setting": cell.setting, "seed": cell.seed, **json.loads(done.read_text())})
+        summary = json.loads(done.read_text())
+        if summary.get("error") is None:  # re-read finished cells, so new summary fields reach old cells
+            summary.update(summarize(run_dir, grid["target_accuracy"]))
+        rows.append({"cell": cell.name, "objective": cell.objective, "setting": cell.setting, "seed": cell.seed, **summary})
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -120,42 +133,78 @@ def _fmt(v, digits=3):
     return "–" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
 
 
+def _markdown(head: list[str], lines: list[list]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in line) + " |" for line in lines]
+    return "\n".join(out) + "\n"
+
+
+GAP = ["mean \\|π−μ\\| lag 0", "lag ≥ 1", "max \\|π−μ\\|", "corrective", "regularizer"]
+
+
+def _gaps(rs: list[dict]) -> list:
+    return [_mean(r.get(k) for r in rs) for k in ("gap_lag0", "gap_lag1plus")] + [
+        max((r["gap_max"] for r in rs if r.get("gap_max") is not None), default=None),
+        _mean(r.get("corrective_frac") for r in rs), _mean(r.get("regularizer_mean") for r in rs)]
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| objective | setting | seed | final acc | best acc | n | steps to target | collapses | "
-            "mean \\|π−μ\\| lag 0 | lag ≥ 1 | corrective | regularizer |\n|" + "---|" * 12 + "\n")
-    lines = [
-        f"| {r['objective']} | {r['setting']} | {r['seed']} | {_fmt(r.get('final_accuracy'))} | {_fmt(r.get('best_accuracy'))} | "
-        f"{r.get('eval_samples', 0)} | {_fmt(r.get('steps_to_target'))} | {r.get('collapses', 0)}"
-        f"{' (' + r['error'][:40] + ')' if r.get('error') else ''} | {_fmt(r.get('gap_lag0'))} | {_fmt(r.get('gap_lag1plus'))} | "
-        f"{_fmt(r.get('corrective_frac'))} | {_fmt(r.get('regularizer_mean'))} |"
-        for r in rows
-    ]
-    return head + "\n".join(lines) + "\n"
+    """Every cell."""
+    head = ["objective", "setting", "seed", "start acc", "final acc", "best acc", "n", "steps to target", "collapses",
+            "train reward (last 5 steps)", "max grad norm", *GAP]
+    return _markdown(head, [
+        [r["objective"], r["setting"], r["seed"], r.get("start_accuracy"), r.get("final_accuracy"), r.get("best_accuracy"),
+         r.get("eval_samples", 0), r.get("steps_to_target"),
+         f"{r.get('collapses', 0)}" + (f" ({r['error'][:40]})" if r.get("error") else ""),
+         r.get("train_reward_last5"), r.get("grad_norm_max"), *_gaps([r])]
+        for r in rows])
 
 
-def _mean(values):
-    got = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    return sum(got) / len(got) if got else None
+def _groups(rows: list[dict], key) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def _accuracy_columns(rs: list[dict]) -> list:
+    finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+    gains = [r["final_accuracy"] - r["start_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+    return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), min(finals, default=None),
+            _mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
+            sum(r.get("collapses", 0) for r in rs), _mean(r.get("train_reward_last5") for r in rs),
+            max((r["grad_norm_max"] for r in rs if r.get("grad_norm_max") is not None), default=None)]
+
+
+ACCURACY = ["cells", "mean start acc", "mean final acc", "mean gain", "min final acc", "mean best acc", "reached target",
+            "collapses", "train reward (last 5)", "max grad norm"]
 
 
 def summary_table(rows: list[dict]) -> str:
-    """One line per (objective, setting): means over seeds, collapses and errors summed."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["objective"], r["setting"]), []).append(r)
-    head = ("| objective | setting | seeds | mean final acc | mean best acc | min final acc | reached target | collapses | "
-            "mean \\|π−μ\\| lag 0 | lag ≥ 1 | corrective | regularizer |\n|" + "---|" * 12 + "\n")
-    lines = []
-    for (objective, setting), rs in groups.items():
-        finals = [r.get("final_accuracy") for r in rs if r.get("final_accuracy") is not None]
-        lines.append(
-            f"| {objective} | {setting} | {len(rs)} | {_fmt(_mean(finals))} | {_fmt(_mean(r.get('best_accuracy') for r in rs))} | "
-            f"{_fmt(min(finals) if finals else None)} | {sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)} | "
-            f"{sum(r.get('collapses', 0) for r in rs)} | {_fmt(_mean(r.get('gap_lag0') for r in rs))} | "
-            f"{_fmt(_mean(r.get('gap_lag1plus') for r in rs))} | {_fmt(_mean(r.get('corrective_frac') for r in rs))} | "
-            f"{_fmt(_mean(r.get('regularizer_mean') for r in rs))} |"
-        )
-    return head + "\n".join(lines) + "\n"
+    """One line per (objective, setting): means over seeds, collapses summed, maxima over cells."""
+    return _markdown(["objective", "setting", *ACCURACY, *GAP], [
+        [objective, setting, *_accuracy_columns(rs), *_gaps(rs)]
+        for (objective, setting), rs in _groups(rows, lambda r: (r["objective"], r["setting"])).items()])
+
+
+def objective_table(rows: list[dict]) -> str:
+    """One line per objective, pooled over settings and seeds (more cells, so smaller noise)."""
+    return _markdown(["objective", *ACCURACY], [
+        [objective, *_accuracy_columns(rs)] for objective, rs in _groups(rows, lambda r: r["objective"]).items()])
+
+
+def noise_floor(rows: list[dict]) -> str:
+    """Every cell's step-0 evaluation is of the same starting model: their spread is the evaluation noise."""
+    starts = [r["start_accuracy"] for r in rows if r.get("start_accuracy") is not None]
+    if len(starts) < 2:
+        return "Evaluation noise: fewer than two cells evaluated."
+    m = sum(starts) / len(starts)
+    sd = math.sqrt(sum((x - m) ** 2 for x in starts) / (len(starts) - 1))
+    n = max(r.get("eval_samples", 0) for r in rows) or 1
+    return (f"Evaluation noise: the starting model's held-out accuracy over the {len(starts)} cells' step-0 evaluations "
+            f"is {m:.3f} ± {sd:.3f} (sd; range {min(starts):.3f}–{max(starts):.3f}); the binomial standard error at "
+            f"n = {n} is {math.sqrt(m * (1 - m) / n):.3f}. A difference between two single cells below about "
+            f"{2 * math.sqrt(2) * sd:.2f} is within noise.")
 
 
 BEGIN, END = "<!-- results:begin (written by benchmarks/experiments/run.py --docs) -->", "<!-- results:end -->"
@@ -176,7 +225,8 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
         f"{BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {os.path.relpath(grid_path)} --docs {path}` "
         f"(model: {grid['model']}); machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; {len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n"
-        f"### Means over seeds\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
+        f"{noise_floor(rows)}\n\n### By objective (pooled over settings and seeds)\n\n{objective_table(rows)}\n"
+        f"### By objective and setting (means over seeds)\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
         f"![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n{END}"
     )
     old = path.read_text() if path.is_file() else f"# Results\n\n{BEGIN}\n{END}\n"
@@ -232,7 +282,7 @@ def main() -> None:
     rows = run_grid(grid, out, str(model), set(args.only.split(",")) if args.only else None)
     (out / "results.md").write_text(table(rows))
     plot(rows, out / "accuracy.png")
-    print(summary_table(rows))
+    print(noise_floor(rows), objective_table(rows), summary_table(rows), sep="\n\n")
     if args.docs:
         write_docs(Path(args.docs), rows, out, args.grid, grid)
 
