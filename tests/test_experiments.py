@@ -35,8 +35,8 @@ def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_mo
     assert all(r["regularizer_mean"] is not None and math.isfinite(r["corrective_frac"]) for r in drpo)
     text = table(rows)
     assert text.count("\n") == len(rows) + 2 and "| drpo δ=0.5 | fp8 | 0 |" in text
-    plot(rows, tmp_path / "accuracy.png")
-    assert (tmp_path / "accuracy.png").read_bytes().startswith(b"\x89PNG")
+    pngs = plot(rows, tmp_path)
+    assert [p.name for p in pngs] == ["accuracy.png", "gain.png"] and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
     means = summary_table(rows)  # one line per (objective, setting); one seed here, so the mean is the cell
     assert means.count("\n") == len(rows) + 2
     drpo_fp8 = next(r for r in rows if r["cell"] == "drpo-fp8-s0")
@@ -52,7 +52,7 @@ def test_smoke_grid_runs_every_cell_and_writes_the_table(ray_local, tiny_chat_mo
     text = page.read_text()
     assert text.startswith("# Results\n\nA written reading.\n" + BEGIN) and text.endswith(END + "\n\nMore reading.\n")
     assert text.count(BEGIN) == 1 and means in text and "--grid benchmarks/experiments/smoke.yaml" in text
-    assert (tmp_path / "docs" / "results" / "accuracy.png").read_bytes().startswith(b"\x89PNG")
+    assert all((tmp_path / "docs" / "results" / p.name).read_bytes() == p.read_bytes() for p in pngs)
     stamps = {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
     again = run_grid(grid, tmp_path, str(tiny_chat_model))  # finished cells are not run again
     assert again == rows

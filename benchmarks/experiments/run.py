@@ -219,7 +219,8 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
     path = Path(path)
     assets = path.parent / path.stem
     assets.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "accuracy.png", assets / "accuracy.png")
+    for name in PLOTS:
+        shutil.copy(out / name, assets / name)
     seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
     generated = (
         f"{BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {os.path.relpath(grid_path)} --docs {path}` "
@@ -227,7 +228,7 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
         f"{platform.python_version()}; {len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n"
         f"{noise_floor(rows)}\n\n### By objective (pooled over settings and seeds)\n\n{objective_table(rows)}\n"
         f"### By objective and setting (means over seeds)\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
-        f"![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n{END}"
+        f"![final minus start accuracy]({assets.name}/gain.png)\n\n![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n{END}"
     )
     old = path.read_text() if path.is_file() else f"# Results\n\n{BEGIN}\n{END}\n"
     if BEGIN not in old or END not in old:
@@ -236,15 +237,21 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
     path.write_text(head + generated + rest.split(END, 1)[1])
 
 
-def plot(rows: list[dict], path: Path) -> None:
+PLOTS = ("accuracy.png", "gain.png")
+
+
+def plot(rows: list[dict], folder: Path) -> list[Path]:
+    """accuracy.png: held-out accuracy curves, one panel per setting; gain.png: final minus start
+    accuracy per objective and setting (bar = mean over seeds, dots = the seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = sorted({r["setting"] for r in rows})
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    objectives = list(dict.fromkeys(r["objective"] for r in rows))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(objectives)}
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
-    colors = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["objective"] for r in rows))}
     for ax, setting in zip(axes[0], settings):
         for r in rows:
             if r["setting"] == setting and r.get("curve"):
@@ -256,8 +263,29 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("held-out accuracy")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(Path(folder) / PLOTS[0], dpi=100)
     plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.5 * len(settings)), 3.6))
+    width = 0.8 / len(objectives)
+    for i, objective in enumerate(objectives):
+        for j, setting in enumerate(settings):
+            gains = [r["final_accuracy"] - r["start_accuracy"] for r in rows if r["objective"] == objective
+                     and r["setting"] == setting and r.get("final_accuracy") is not None and r.get("start_accuracy") is not None]
+            if gains:
+                x = j + (i - (len(objectives) - 1) / 2) * width
+                ax.bar(x, sum(gains) / len(gains), width, color=colors[objective], label=objective)
+                ax.plot([x] * len(gains), gains, "k.", markersize=3)
+    ax.axhline(0.0, color="grey", linewidth=0.5)
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylabel("final − start held-out accuracy")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(Path(folder) / PLOTS[1], dpi=100)
+    plt.close(fig)
+    return [Path(folder) / name for name in PLOTS]
 
 
 def main() -> None:
@@ -281,7 +309,7 @@ def main() -> None:
     _init_ray(load_config())
     rows = run_grid(grid, out, str(model), set(args.only.split(",")) if args.only else None)
     (out / "results.md").write_text(table(rows))
-    plot(rows, out / "accuracy.png")
+    plot(rows, out)
     print(noise_floor(rows), objective_table(rows), summary_table(rows), sep="\n\n")
     if args.docs:
         write_docs(Path(args.docs), rows, out, args.grid, grid)
