@@ -170,13 +170,17 @@ def _groups(rows: list[dict], key) -> dict:
 def _accuracy_columns(rs: list[dict]) -> list:
     finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
     gains = [r["final_accuracy"] - r["start_accuracy"] for r in rs if r.get("final_accuracy") is not None]
-    return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), min(finals, default=None),
+    se = None
+    if len(gains) > 1:
+        m = sum(gains) / len(gains)
+        se = math.sqrt(sum((g - m) ** 2 for g in gains) / (len(gains) - 1) / len(gains))
+    return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), se, min(finals, default=None),
             _mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
             sum(r.get("collapses", 0) for r in rs), _mean(r.get("train_reward_last5") for r in rs),
             max((r["grad_norm_max"] for r in rs if r.get("grad_norm_max") is not None), default=None)]
 
 
-ACCURACY = ["cells", "mean start acc", "mean final acc", "mean gain", "min final acc", "mean best acc", "reached target",
+ACCURACY = ["cells", "mean start acc", "mean final acc", "mean gain", "± se", "min final acc", "mean best acc", "reached target",
             "collapses", "train reward (last 5)", "max grad norm"]
 
 
