@@ -245,7 +245,7 @@ PLOTS = ("accuracy.png", "gain.png")
 
 
 def plot(rows: list[dict], folder: Path) -> list[Path]:
-    """accuracy.png: held-out accuracy curves, one panel per setting; gain.png: final minus start
+    """accuracy.png: held-out accuracy curves (mean over seeds), one panel per setting; gain.png: final minus start
     accuracy per objective and setting (bar = mean over seeds, dots = the seeds)."""
     import matplotlib
 
@@ -257,17 +257,22 @@ def plot(rows: list[dict], folder: Path) -> list[Path]:
     colors = {name: f"C{i % 10}" for i, name in enumerate(objectives)}
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
     for ax, setting in zip(axes[0], settings):
-        for r in rows:
-            if r["setting"] == setting and r.get("curve"):
-                xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, marker="o", markersize=3, color=colors[r["objective"]],
-                        linestyle=("-", "--", ":", "-.")[r["seed"] % 4], label=f"{r['objective']} s{r['seed']}")
-        ax.set_title(setting)
+        for objective in objectives:  # mean over seeds at each evaluated step
+            by_step: dict[int, list[float]] = {}
+            for r in rows:
+                if r["setting"] == setting and r["objective"] == objective:
+                    for step, acc in r.get("curve") or []:
+                        by_step.setdefault(step, []).append(acc)
+            if by_step:
+                xs = sorted(by_step)
+                ax.plot(xs, [sum(by_step[x]) / len(by_step[x]) for x in xs], marker="o", markersize=3,
+                        color=colors[objective], label=objective)
+        ax.set_title(f"{setting} (mean over seeds)")
         ax.set_xlabel("step")
         ax.set_ylabel("held-out accuracy")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(Path(folder) / PLOTS[0], dpi=100)
+    fig.savefig(Path(folder) / PLOTS[0], dpi=80)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6.0, 2.5 * len(settings)), 3.6))
@@ -287,7 +292,7 @@ def plot(rows: list[dict], folder: Path) -> list[Path]:
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(Path(folder) / PLOTS[1], dpi=100)
+    fig.savefig(Path(folder) / PLOTS[1], dpi=80)
     plt.close(fig)
     return [Path(folder) / name for name in PLOTS]
 
