@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +61,22 @@ def cells(grid: dict, only: set[str] | None = None) -> list[Cell]:
     return out
 
 
+def _finite(values) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
 def _mean(values):
-    got = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    got = _finite(values)
     return sum(got) / len(got) if got else None
+
+
+def _largest(values):
+    return max(_finite(values), default=None)
+
+
+def _sd(values):
+    got = _finite(values)
+    return statistics.stdev(got) if len(got) > 1 else None
 
 
 def summarize(run_dir: Path, target: float) -> dict:
@@ -74,8 +88,7 @@ def summarize(run_dir: Path, target: float) -> dict:
         return _mean(s.get(key) for s in rows)
 
     def largest(key):
-        got = [s[key] for s in steps if isinstance(s.get(key), (int, float)) and math.isfinite(s[key])]
-        return max(got) if got else None
+        return _largest(s.get(key) for s in steps)
 
     collapses, best = 0, 0.0
     for e in evals:
@@ -144,7 +157,7 @@ GAP = ["mean \\|π−μ\\| lag 0", "lag ≥ 1", "max \\|π−μ\\|", "corrective
 
 def _gaps(rs: list[dict]) -> list:
     return [_mean(r.get(k) for r in rs) for k in ("gap_lag0", "gap_lag1plus")] + [
-        max((r["gap_max"] for r in rs if r.get("gap_max") is not None), default=None),
+        _largest(r.get("gap_max") for r in rs),
         _mean(r.get("corrective_frac") for r in rs), _mean(r.get("regularizer_mean") for r in rs)]
 
 
@@ -170,14 +183,11 @@ def _groups(rows: list[dict], key) -> dict:
 def _accuracy_columns(rs: list[dict]) -> list:
     finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
     gains = [r["final_accuracy"] - r["start_accuracy"] for r in rs if r.get("final_accuracy") is not None]
-    se = None
-    if len(gains) > 1:
-        m = sum(gains) / len(gains)
-        se = math.sqrt(sum((g - m) ** 2 for g in gains) / (len(gains) - 1) / len(gains))
+    se = _sd(gains) / math.sqrt(len(gains)) if len(gains) > 1 else None
     return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), se, min(finals, default=None),
             _mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
             sum(r.get("collapses", 0) for r in rs), _mean(r.get("train_reward_last5") for r in rs),
-            max((r["grad_norm_max"] for r in rs if r.get("grad_norm_max") is not None), default=None)]
+            _largest(r.get("grad_norm_max") for r in rs)]
 
 
 ACCURACY = ["cells", "mean start acc", "mean final acc", "mean gain", "± se", "min final acc", "mean best acc", "reached target",
@@ -202,8 +212,7 @@ def noise_floor(rows: list[dict]) -> str:
     starts = [r["start_accuracy"] for r in rows if r.get("start_accuracy") is not None]
     if len(starts) < 2:
         return "Evaluation noise: fewer than two cells evaluated."
-    m = sum(starts) / len(starts)
-    sd = math.sqrt(sum((x - m) ** 2 for x in starts) / (len(starts) - 1))
+    m, sd = _mean(starts), _sd(starts)
     n = max(r.get("eval_samples", 0) for r in rows) or 1
     return (f"Evaluation noise: the starting model's held-out accuracy over the {len(starts)} cells' step-0 evaluations "
             f"is {m:.3f} ± {sd:.3f} (sd; range {min(starts):.3f}–{max(starts):.3f}); the binomial standard error at "
