@@ -119,7 +119,11 @@ def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = Non
     for cell in cells(grid, only):
         run_dir = out / "cells" / cell.name
         done = run_dir / "summary.json"
-        if not done.is_file():
+        if done.is_file():
+            summary = json.loads(done.read_text())
+            if summary.get("error") is None:  # re-read finished cells, so new summary fields reach old cells
+                summary.update(summarize(run_dir, grid["target_accuracy"]))
+        else:
             if run_dir.exists():
                 import shutil
 
@@ -134,9 +138,6 @@ def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = Non
                 summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
             summary["wall_seconds"] = time.time() - started
             done.write_text(json.dumps(summary))
-        summary = json.loads(done.read_text())
-        if summary.get("error") is None:  # re-read finished cells, so new summary fields reach old cells
-            summary.update(summarize(run_dir, grid["target_accuracy"]))
         rows.append({"cell": cell.name, "objective": cell.objective, "setting": cell.setting, "seed": cell.seed, **summary})
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     return rows
@@ -180,9 +181,14 @@ def _groups(rows: list[dict], key) -> dict:
     return out
 
 
+def _gains(rs: list[dict]) -> list[float]:
+    """Final minus start held-out accuracy of every evaluated cell."""
+    return [r["final_accuracy"] - r["start_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+
+
 def _accuracy_columns(rs: list[dict]) -> list:
     finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
-    gains = [r["final_accuracy"] - r["start_accuracy"] for r in rs if r.get("final_accuracy") is not None]
+    gains = _gains(rs)
     se = _sd(gains) / math.sqrt(len(gains)) if len(gains) > 1 else None
     return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), se, min(finals, default=None),
             _mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
@@ -264,14 +270,14 @@ def plot(rows: list[dict], folder: Path) -> list[Path]:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     objectives = list(dict.fromkeys(r["objective"] for r in rows))
     colors = {name: f"C{i % 10}" for i, name in enumerate(objectives)}
+    cells_of = _groups(rows, lambda r: (r["objective"], r["setting"]))
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.6), squeeze=False)
     for ax, setting in zip(axes[0], settings):
         for objective in objectives:  # mean over seeds at each evaluated step
             by_step: dict[int, list[float]] = {}
-            for r in rows:
-                if r["setting"] == setting and r["objective"] == objective:
-                    for step, acc in r.get("curve") or []:
-                        by_step.setdefault(step, []).append(acc)
+            for r in cells_of.get((objective, setting), []):
+                for step, acc in r.get("curve") or []:
+                    by_step.setdefault(step, []).append(acc)
             if by_step:
                 xs = sorted(by_step)
                 ax.plot(xs, [sum(by_step[x]) / len(by_step[x]) for x in xs], marker="o", markersize=3,
@@ -288,8 +294,7 @@ def plot(rows: list[dict], folder: Path) -> list[Path]:
     width = 0.8 / len(objectives)
     for i, objective in enumerate(objectives):
         for j, setting in enumerate(settings):
-            gains = [r["final_accuracy"] - r["start_accuracy"] for r in rows if r["objective"] == objective
-                     and r["setting"] == setting and r.get("final_accuracy") is not None and r.get("start_accuracy") is not None]
+            gains = _gains(cells_of.get((objective, setting), []))
             if gains:
                 x = j + (i - (len(objectives) - 1) / 2) * width
                 ax.bar(x, sum(gains) / len(gains), width, color=colors[objective], label=objective)
@@ -331,6 +336,7 @@ def main() -> None:
     print(noise_floor(rows), objective_table(rows), summary_table(rows), sep="\n\n")
     if args.docs:
         write_docs(Path(args.docs), rows, out, args.grid, grid)
+
 
 if __name__ == "__main__":
     main()
