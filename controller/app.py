@@ -6,6 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import objectives
 from controller.config import ArithmeticTask, RunConfig, dump
 from controller.loop import Controller, latest_checkpoint
 from controller.telemetry import Telemetry
@@ -41,7 +42,7 @@ def make_backend(cfg: RunConfig):
     if cfg.simulation is not None:
         from controller.simulation import SimulatedBackend
 
-        return SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+        return SimulatedBackend(cfg.simulation, cfg.rollout.workers, topk=objectives.required_topk(cfg.learner.objective))
     from controller.ray_backend import RayBackend
 
     return RayBackend(cfg)
@@ -70,7 +71,7 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
         if checkpoint is not None:
             ctl.restore(checkpoint)
         ctl.run()
-        summary = telemetry.summary(ctl)
+        summary = telemetry.summary(ctl.eval_history, ctl.ledger.counts())
         url = f"http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics" if telemetry.exporter else None
         return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url)
     finally:

@@ -1,8 +1,9 @@
 """What the controller asks of the machinery under it, and what comes back.
 
 The Controller (loop.py) schedules against this interface only; ``RayBackend`` runs real rollout
-workers and a learner group, ``SimulatedBackend`` replaces both with sampled durations. The
-scheduling code is therefore the same object in both modes.
+workers and a learner group, ``SimulatedBackend`` replaces both with sampled durations and synthetic
+records. Both return the same records (rollout/records.py) and take the same TrainBatch, so the
+scheduling and the batch building are the same code in both modes.
 """
 
 from __future__ import annotations
@@ -10,34 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from learner.batch import TrainBatch
+from rollout.records import Group, Started, Ticket
 from rollout.tasks import Problem
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    """A finished group of n samples for one prompt (or a failed one)."""
-
-    problem_id: str
-    tag: str
-    """Echo of the submission's tag: "train/<epoch>" or "eval/<round>"."""
-    worker: int
-    rewards: tuple[float, ...]
-    oldest_version: int | None
-    """Policy version of the oldest weights that sampled any of its tokens (None if it failed)."""
-    tokens: int
-    error: str | None = None
-    payload: object = field(default=None, compare=False, repr=False)
-    """Backend data the learner needs (real: the ScoredGroup with token ids and mu)."""
-
-
-@dataclass(frozen=True)
-class Started:
-    """A worker began generating a submission, serving weights of ``version``."""
-
-    problem_id: str
-    tag: str
-    worker: int
-    version: int
 
 
 @dataclass(frozen=True)
@@ -47,13 +23,14 @@ class TrainResult:
     tokens: int
     seconds: float
     metrics: dict[str, float]
+    """The learner's step metrics, already reduced across updates and ranks by kind."""
 
 
 @dataclass(frozen=True)
 class Events:
     """What ``Backend.wait`` returns: anything may be empty."""
 
-    groups: list[GroupResult] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
     trained: TrainResult | None = None
     started: list[Started] = field(default_factory=list)
     lost: list[int] = field(default_factory=list)
@@ -68,6 +45,9 @@ class LearnerLost(RuntimeError):
 
 
 class Backend(ABC):
+    """Transport only: moves submissions to workers, records back, batches to the learner and
+    weights to the workers. It decides nothing about what trains (the Controller does)."""
+
     workers: int
 
     @abstractmethod
@@ -75,16 +55,16 @@ class Backend(ABC):
         """Seconds on the backend's clock (wall clock, or simulated)."""
 
     @abstractmethod
-    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
-        """Queue one prompt for ``n`` samples on ``worker``; returns at once."""
+    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
+        """Queue one prompt for ``n`` samples on ``worker`` under ``ticket``; returns at once."""
 
     @abstractmethod
-    def cancel_queued(self) -> list[tuple[str, str]]:
-        """Take back every submission not yet started; returns their (problem_id, tag)."""
+    def cancel_queued(self) -> list[Ticket]:
+        """Take back every submission not yet started; returns their tickets."""
 
     @abstractmethod
-    def start_train(self, groups: list[GroupResult], version: int) -> None:
-        """Start one training step on ``groups`` (consumed at learner ``version``); returns at once."""
+    def train(self, batch: TrainBatch) -> None:
+        """Start one training step (every update of the batch) on the learner; returns at once."""
 
     @abstractmethod
     def wait(self) -> Events:

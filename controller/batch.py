@@ -1,49 +1,78 @@
-"""Turn scored groups into the learner's TrainBatch: advantages, padding, per-token version lag."""
+"""The batch builder the Controller owns: which groups may train, and the TrainBatch they become.
+
+Runs on the records any backend returns (rollout/records.py), so a simulated run builds its
+batches with exactly this code. The version lag is computed here once, per token (learner version
+at consumption minus the version that sampled the token); a group's lag is the largest of its
+tokens', which the staleness bound is checked against.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from learner.learner import TrainBatch
+from controller.staleness import LAG_BINS
+from learner.batch import TrainBatch
 from objectives.advantages import compute_advantages
 from objectives.config import AdvantageConfig
-from rollout.worker import ScoredGroup
+from rollout.records import Group
 
 
-def build_train_batch(groups: list[ScoredGroup], version: int, advantages: AdvantageConfig, pad_id: int = 0) -> TrainBatch:
-    """Rows are prompt + response (right-padded), in group order; every group must have the same n.
+@dataclass(frozen=True)
+class Batch:
+    """A built batch: the learner's tensors and what the controller records about it."""
 
-    Advantages come from each group's rewards; the lag is ``version`` (the learner's, at
-    consumption) minus the version that sampled each token."""
-    sizes = {len(g.completions) for g in groups}
-    if len(sizes) != 1 or 0 in sizes:
-        raise ValueError(f"groups must all hold the same non-zero number of completions, got sizes {sorted(sizes)}")
-    rewards = torch.tensor([g.scores for g in groups], dtype=torch.float32)
-    seq_adv = compute_advantages(rewards, advantages).flatten()
-    completions = [c for g in groups for c in g.completions]
-    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-    n = len(completions)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.bool)
-    rollout_logp = torch.zeros((n, width))
-    lag = torch.zeros((n, width), dtype=torch.long)
-    for i, c in enumerate(completions):
-        p, r = len(c.prompt_ids), len(c.response_ids)
-        input_ids[i, :p] = c.prompt_ids
-        input_ids[i, p : p + r] = c.response_ids
-        mask[i, p : p + r] = True
-        rollout_logp[i, p : p + r] = c.rollout_logp.float()
-        lag[i, p : p + r] = version - c.versions
-    return TrainBatch(input_ids, mask, rollout_logp, seq_adv[:, None] * mask, lag)
+    train: TrainBatch
+    lags: tuple[int, ...]
+    """Per group, in order: the largest version lag of its tokens."""
+    metrics: dict[str, float]
+    """staleness/token_lag_hist/bin_i: response tokens per version lag (last bin: that lag or more)."""
 
 
-def decoupled_anchor(batch: TrainBatch, proximal_logp: torch.Tensor, cap: float) -> tuple[TrainBatch, float]:
-    """Decoupled objective (AReaL, arXiv 2505.24298): the learner's proximal_logp anchors the ratio and
-    trust region, and mu enters only through the behaviour weight min(proximal/mu, cap) on the
-    advantage. Exact for every registered objective, which are positively homogeneous in A.
-    Returns the batch and the mean behaviour weight."""
-    log_w = (proximal_logp - batch.rollout_logp).clamp(max=torch.log(torch.tensor(cap)).item())
-    weight = torch.where(batch.response_mask, log_w.exp(), torch.zeros(()))
-    anchored = TrainBatch(batch.input_ids, batch.response_mask, proximal_logp.float(), batch.advantages * weight, batch.version_lag)
-    count = batch.response_mask.sum().clamp_min(1)
-    return anchored, float(weight.sum() / count)
+class BatchBuilder:
+    def __init__(self, advantages: AdvantageConfig, topk: int = 0, pad_id: int = 0):
+        """``topk``: K of the engine top-K log-probs the objective needs (0: none are batched)."""
+        self.advantages, self.topk, self.pad_id = advantages, topk, pad_id
+
+    def rejects(self, group: Group) -> str | None:
+        """Why a finished (not failed) group is not trained on, or None: with zero-variance
+        filtering, a group whose rewards are all equal has zero advantage everywhere."""
+        scores = group.scores
+        if self.advantages.filter_zero_variance and max(scores) == min(scores):
+            return f"all rewards {scores[0]:g}"
+        return None
+
+    def build(self, groups: list[Group], version: int) -> Batch:
+        """Rows are prompt + response (right-padded), in group order; every group must hold the same n."""
+        sizes = {len(g.samples) for g in groups}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ValueError(f"groups must all hold the same non-zero number of samples, got sizes {sorted(sizes)}")
+        rewards = torch.tensor([g.scores for g in groups], dtype=torch.float32)
+        seq_adv = compute_advantages(rewards, self.advantages).flatten()
+        completions = [s.completion for g in groups for s in g.samples]
+        n, width = len(completions), max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.bool)
+        rollout_logp = torch.zeros((n, width))
+        lag = torch.zeros((n, width), dtype=torch.long)
+        top_ids = torch.zeros((n, width, self.topk), dtype=torch.long) if self.topk else None
+        top_logp = torch.zeros((n, width, self.topk)) if self.topk else None
+        for i, c in enumerate(completions):
+            p, r = len(c.prompt_ids), len(c.response_ids)
+            input_ids[i, :p] = c.prompt_ids
+            input_ids[i, p : p + r] = c.response_ids
+            mask[i, p : p + r] = True
+            rollout_logp[i, p : p + r] = c.rollout_logp.float()
+            lag[i, p : p + r] = version - c.versions
+            if self.topk:
+                if c.topk_ids is None or c.topk_ids.shape != (r, self.topk):
+                    raise ValueError(f"a sample has no engine top-{self.topk} log-probs (got {None if c.topk_ids is None else tuple(c.topk_ids.shape)})")
+                top_ids[i, p : p + r], top_logp[i, p : p + r] = c.topk_ids, c.topk_logp.float()
+        per_group = torch.where(mask, lag, -1).amax(dim=1).view(len(groups), -1).amax(dim=1)
+        counts = lag[mask].clamp(max=LAG_BINS - 1).bincount(minlength=LAG_BINS).tolist()
+        train = TrainBatch(
+            input_ids, mask, rollout_logp, seq_adv[:, None] * mask, lag,
+            rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
+        )
+        return Batch(train, tuple(int(v) for v in per_group), {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)})

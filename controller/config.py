@@ -96,10 +96,6 @@ class TrainConfig(_Config):
     over_bound: Literal["wait", "drop"] = Field(
         "wait", description="wait: a step waits for rollouts that would otherwise expire; drop: expired samples are dropped."
     )
-    anchor: Literal["bypass", "decoupled"] = Field(
-        "bypass", description="bypass: mu anchors ratio and trust region; decoupled: the learner's proximal_logp does, mu only reweights."
-    )
-    behaviour_weight_cap: float = Field(5.0, gt=0.0, description="decoupled: cap on the behaviour weight proximal/mu.")
     max_filtered_in_a_row: int = Field(
         2000, ge=1, description="Stop when this many groups in a row are filtered (all rewards equal): the task gives no signal."
     )

@@ -14,15 +14,9 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from rollout.records import TrainTicket as Ticket
+
 Outcome = Literal["trained", "filtered", "stale", "failed"]
-
-
-@dataclass(frozen=True)
-class Ticket:
-    """One draw of a prompt: which epoch it belongs to, so a prompt can recur across epochs."""
-
-    epoch: int
-    id: str
 
 
 class PromptSampler:

@@ -18,11 +18,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller.backend import Backend, Events, GroupResult, TrainResult
+import objectives
+from controller.backend import Backend, Events, TrainResult
+from controller.batch import Batch, BatchBuilder
 from controller.config import RunConfig
-from controller.ledger import Ledger, PromptSampler, Ticket
+from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
-from controller.telemetry import Telemetry
+from controller.telemetry import StepReport, Telemetry
+from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
 
 STATE_FILE = "controller.json"
@@ -41,7 +44,15 @@ class _Flight:
 class _Eval:
     version: int
     expected: int
-    results: list[GroupResult] = field(default_factory=list)
+    results: list[Group] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """The training step in progress: the groups it consumes and the batch built from them."""
+
+    groups: list[Group]
+    batch: Batch
 
 
 class Controller:
@@ -49,6 +60,7 @@ class Controller:
         self.cfg, self.backend, self.telemetry = cfg, backend, telemetry
         self.problems = {p.id: p for p in train}
         self.test = test
+        self.test_problems = {p.id: p for p in test}
         self.step = self.version = 0
         self.batch_size = cfg.train.prompts_per_step
         self.staleness = StalenessManager(
@@ -57,17 +69,19 @@ class Controller:
                 (backend.worker_version(w) for w in range(backend.workers) if backend.available(w)), default=self.version
             ),
         )
+        self.builder = BatchBuilder(cfg.advantages, topk=objectives.required_topk(cfg.learner.objective))
         self.sampler = PromptSampler([p.id for p in train], cfg.seed)
         self.ledger = Ledger()
-        self.in_flight: dict[Ticket, _Flight] = {}
-        self.buffer: list[tuple[Ticket, GroupResult]] = []
-        self.training: list[tuple[Ticket, GroupResult, int]] | None = None
+        self.in_flight: dict[TrainTicket, _Flight] = {}
+        self.buffer: list[Group] = []
+        self.training: _Step | None = None
         self.load = [0] * backend.workers
         self.evals: dict[int, _Eval] = {}
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
         self.failures_in_a_row = self.filtered_in_a_row = 0
-        self.eval_pending: dict[tuple[int, int], list[Problem]] = {}
+        self.eval_pending: dict[EvalTicket, int] = {}
+        """Evaluation submissions without a result yet, and the worker each went to."""
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -93,7 +107,7 @@ class Controller:
             worker = min(live, key=self.load.__getitem__)
             self.load[worker] += 1
             self.in_flight[ticket] = _Flight(worker)
-            self.backend.submit(worker, self.problems[ticket.id], f"train/{ticket.epoch}", self.cfg.rollout.samples_per_prompt)
+            self.backend.submit(worker, ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt)
 
     def handle(self, events: Events) -> None:
         for worker in events.lost:
@@ -102,8 +116,7 @@ class Controller:
         for worker in events.revived:
             self.telemetry.worker_event("back", worker, self.backend.worker_version(worker))
         for s in events.started:
-            kind, _, key = s.tag.partition("/")
-            flight = self.in_flight.get(Ticket(int(key), s.problem_id)) if kind == "train" else None
+            flight = self.in_flight.get(s.ticket) if isinstance(s.ticket, TrainTicket) else None
             if flight is not None:
                 flight.started = s.version
         self.score(events.groups)
@@ -119,49 +132,45 @@ class Controller:
             self.staleness.on_cancelled()
         self.sampler.requeue(tickets)
         self.load[worker] = 0
-        for (rnd, w), problems in list(self.eval_pending.items()):
-            if w == worker:
-                del self.eval_pending[(rnd, w)]
-                for p in problems:
-                    self._submit_eval(rnd, p)
+        for ticket in [t for t, w in self.eval_pending.items() if w == worker]:
+            self._submit_eval(ticket)
 
     def _start_bound(self, flight: _Flight) -> int:
         """A lower bound on the version of a running group's oldest token: the version it started
         under, or for one still queued, the version its worker serves now (it can only go up)."""
         return flight.started if flight.started is not None else self.backend.worker_version(flight.worker)
 
-    def score(self, groups: list[GroupResult]) -> None:
+    def score(self, groups: list[Group]) -> None:
         for g in groups:
-            kind, _, key = g.tag.partition("/")
-            if kind == "eval":
-                self._eval_result(int(key), g)
+            if isinstance(g.ticket, EvalTicket):
+                self._eval_result(g)
                 continue
-            ticket = Ticket(int(key), g.problem_id)
-            flight = self.in_flight.get(ticket)
+            flight = self.in_flight.get(g.ticket)
             if flight is None or flight.worker != g.worker:
                 continue  # from a worker declared lost whose work was re-queued: the re-run counts, not this
-            del self.in_flight[ticket]
+            del self.in_flight[g.ticket]
             self.load[flight.worker] -= 1
             self.telemetry.group(g)
             if g.error is not None:
                 self.staleness.on_rejected()
-                self.ledger.record(ticket, "failed", self.step, reason=g.error)
+                self.ledger.record(g.ticket, "failed", self.step, reason=g.error)
                 self._count_failure(g.error)
                 continue
             self.failures_in_a_row = 0
-            if self.cfg.advantages.filter_zero_variance and max(g.rewards) == min(g.rewards):
-                self.staleness.on_rejected()
-                self.ledger.record(ticket, "filtered", self.step, reason=f"all rewards {g.rewards[0]:g}")
-                self.filtered_in_a_row += 1
-                if self.filtered_in_a_row >= self.cfg.train.max_filtered_in_a_row:
-                    raise RuntimeError(
-                        f"{self.filtered_in_a_row} groups in a row had all-equal rewards (last: {g.rewards[0]:g}); the task gives "
-                        "no learning signal at this accuracy (raise train.max_filtered_in_a_row or change the task)"
-                    )
-            else:
+            reason = self.builder.rejects(g)
+            if reason is None:
                 self.filtered_in_a_row = 0
                 self.staleness.on_accepted()
-                self.buffer.append((ticket, g))
+                self.buffer.append(g)
+                continue
+            self.staleness.on_rejected()
+            self.ledger.record(g.ticket, "filtered", self.step, reason=reason)
+            self.filtered_in_a_row += 1
+            if self.filtered_in_a_row >= self.cfg.train.max_filtered_in_a_row:
+                raise RuntimeError(
+                    f"{self.filtered_in_a_row} groups in a row were filtered (last: {reason}); the task gives "
+                    "no learning signal at this accuracy (raise train.max_filtered_in_a_row or change the task)"
+                )
 
     def _count_failure(self, error: str) -> None:
         self.failures_in_a_row += 1
@@ -177,25 +186,36 @@ class Controller:
         expiring = self.version - self.cfg.train.max_staleness
         if self.cfg.train.over_bound == "wait" and any(self._start_bound(f) <= expiring for f in self.in_flight.values()):
             return
-        for ticket, g in [item for item in self.buffer if not self.staleness.is_fresh(item[1].oldest_version)]:
-            self.buffer.remove((ticket, g))
+        for g in [g for g in self.buffer if not self.staleness.is_fresh(g.oldest_version)]:
+            self.buffer.remove(g)
             self.staleness.on_dropped()
-            self.ledger.record(ticket, "stale", self.step, reason=f"sampled at version {g.oldest_version}, learner at {self.version}")
+            self.ledger.record(g.ticket, "stale", self.step, reason=f"sampled at version {g.oldest_version}, learner at {self.version}")
         if len(self.buffer) < self.batch_size:
             return
-        self.buffer.sort(key=lambda item: item[1].oldest_version)
+        self.buffer.sort(key=lambda g: g.oldest_version)
         chosen, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size :]
-        self.training = [(t, g, self.staleness.check(g.oldest_version)) for t, g in chosen]
-        self.backend.start_train([g for _, g, _ in self.training], self.version)
+        batch = self.builder.build(chosen, self.version)
+        for lag in batch.lags:
+            self.staleness.check(lag)
+        self.training = _Step(chosen, batch)
+        self.backend.train(batch.train)
 
     def finish_step(self, result: TrainResult) -> None:
-        trained, self.training = self.training, None
+        done, self.training = self.training, None
+        if result.version != self.version + 1:
+            raise RuntimeError(f"the learner reports version {result.version} after a step from version {self.version}")
         self.step += 1
-        for ticket, _, lag in trained:
-            self.ledger.record(ticket, "trained", self.step, lag=lag)
+        for g, lag in zip(done.groups, done.batch.lags):
+            self.ledger.record(g.ticket, "trained", self.step, lag=lag)
         self.version = result.version
         publish_seconds = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
-        self.telemetry.step(self, result, [g for _, g, _ in trained], [lag for _, _, lag in trained], publish_seconds)
+        stats = self.staleness.stats()
+        self.telemetry.step(StepReport(
+            step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.scores],
+            lags=done.batch.lags, batch_metrics=done.batch.metrics, publish_seconds=publish_seconds, staleness=stats,
+            max_staleness=self.cfg.train.max_staleness, queue_depth=sum(self.load), buffered=len(self.buffer),
+            ledger=self.ledger.counts(),
+        ))
         if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.test:
             self.evaluate(blocking=False)
         if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.cfg.train.steps:
@@ -209,31 +229,32 @@ class Controller:
         self.eval_rounds += 1
         self.evals[rnd] = _Eval(self.version, len(self.test))
         for p in self.test:
-            self._submit_eval(rnd, p)
+            self._submit_eval(EvalTicket(rnd, p.id))
         while blocking and rnd in self.evals:
             self.handle(self.backend.wait())
 
-    def _submit_eval(self, rnd: int, problem: Problem) -> None:
+    def _submit_eval(self, ticket: EvalTicket) -> None:
         live = [w for w in range(self.backend.workers) if self.backend.available(w)] or list(range(self.backend.workers))
-        worker = min(live, key=lambda w: sum(len(v) for (r, x), v in self.eval_pending.items() if x == w))
-        self.eval_pending.setdefault((rnd, worker), []).append(problem)
-        self.backend.submit(worker, problem, f"eval/{rnd}", self.cfg.eval.samples_per_prompt)
+        queued = [0] * self.backend.workers
+        for w in self.eval_pending.values():
+            queued[w] += 1
+        worker = min(live, key=queued.__getitem__)
+        self.eval_pending[ticket] = worker
+        self.backend.submit(worker, ticket, self.test_problems[ticket.id], self.cfg.eval.samples_per_prompt)
 
-    def _eval_result(self, rnd: int, g: GroupResult | None) -> None:
-        ev = self.evals.get(rnd)
-        if ev is None:
-            return  # a late duplicate of a re-submitted evaluation prompt
+    def _eval_result(self, g: Group | None, rnd: int | None = None) -> None:
+        """Record an evaluation group (the first to arrive for its ticket), or with ``g`` None only
+        close round ``rnd`` if nothing else is outstanding."""
         if g is not None:
-            ev.results.append(g)
-            pending = self.eval_pending.get((rnd, g.worker), [])
-            for i, p in enumerate(pending):
-                if p.id == g.problem_id:
-                    del pending[i]
-                    break
+            if self.eval_pending.pop(g.ticket, None) is None:
+                return  # a late duplicate of a re-submitted evaluation prompt
+            rnd = g.ticket.round
+            self.evals[rnd].results.append(g)
+        ev = self.evals[rnd]
         if len(ev.results) < ev.expected:
             return
         del self.evals[rnd]
-        scores = [r for res in ev.results for r in res.rewards]
+        scores = [r for res in ev.results for r in res.scores]
         versions = [res.oldest_version for res in ev.results if res.oldest_version is not None]
         record = {
             "round": rnd, "step": self.step, "version": ev.version, "accuracy": sum(scores) / max(1, len(scores)),
@@ -247,22 +268,15 @@ class Controller:
 
     def requeue_unstarted(self) -> None:
         """Take back queued submissions so the run can stop without waiting for them."""
-        for problem_id, tag in self.backend.cancel_queued():
-            kind, _, key = tag.partition("/")
-            if kind == "train":
-                ticket = Ticket(int(key), problem_id)
+        for ticket in self.backend.cancel_queued():
+            if isinstance(ticket, TrainTicket):
                 flight = self.in_flight.pop(ticket)
                 self.load[flight.worker] -= 1
                 self.staleness.on_cancelled()
                 self.sampler.requeue([ticket])
-            else:
-                rnd = int(key)
-                for (r, _), pending in self.eval_pending.items():
-                    if r == rnd and any(p.id == problem_id for p in pending):
-                        pending[:] = [p for p in pending if p.id != problem_id]
-                        break
-                self.evals[rnd].expected -= 1
-                self._eval_result(rnd, None)
+            elif self.eval_pending.pop(ticket, None) is not None:
+                self.evals[ticket.round].expected -= 1
+                self._eval_result(None, ticket.round)
 
     def checkpoint(self) -> Path:
         """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.
@@ -275,7 +289,7 @@ class Controller:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.backend.save(str(tmp))
-        pending = sorted(self.in_flight, key=lambda t: self._start_bound(self.in_flight[t])) + [t for t, _ in self.buffer]
+        pending = sorted(self.in_flight, key=lambda t: self._start_bound(self.in_flight[t])) + [g.ticket for g in self.buffer]
         state = {
             "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,

@@ -5,6 +5,8 @@ Every step's namespaced keys (``gap/numerics/abs_shift_p99``, ``staleness/lag_hi
 base units in the name (``_seconds``, ``_tokens``), ``_ratio`` for fractions, ``_total`` for counters,
 and labels instead of name parts for the version lag of a gap metric (``lag="0"`` numerics,
 ``lag="1+"`` staleness, ``lag="all"``), histogram bins (``bin``) and ledger outcomes (``outcome``).
+``gap/*`` is always the learner pi against mu from the engine; with the decoupled anchor,
+``gap/proximal/*`` (pi against the step's own proximal_logp) is its own family, ``drpo_gap_proximal_*``.
 ``CATALOG`` documents the families dashboards and alerts rely on; any other key is still exported
 under its mechanical name. The exporter serves a snapshot of the latest values (a collector, not
 client-side gauges, so labels come from the keys).
@@ -34,7 +36,13 @@ _GAP = {
 }
 
 CATALOG: dict[str, Family] = {
-    **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap: {h}; label lag = 0 (numerics), 1+ (staleness), all") for k, h in _GAP.items()},
+    **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap, learner pi vs engine mu: {h}; label lag = 0 (numerics), 1+ (staleness), all") for k, h in _GAP.items()},
+    **{
+        f"drpo_gap_proximal_{k}": Family(f"drpo_gap_proximal_{k}", "gauge", f"Decoupled anchor only: {h.replace('mu', 'pi_prox')}, pi vs the step's proximal_logp")
+        for k, h in _GAP.items() if k != "entropy_mean"
+    },
+    "drpo_learner_behaviour_weight_mean": Family("drpo_learner_behaviour_weight_mean", "gauge", "Decoupled anchor: mean behaviour weight min(pi_prox/mu, cap)"),
+    "drpo_learner_behaviour_weight_capped_ratio": Family("drpo_learner_behaviour_weight_capped_ratio", "gauge", "Decoupled anchor: fraction of tokens at the cap"),
     "drpo_objective_regularizer_mean": Family("drpo_objective_regularizer_mean", "gauge", "DRPO quadratic term |A|/(2 delta) mu (r-1)^2, mean per token"),
     "drpo_objective_regularizer_share": Family("drpo_objective_regularizer_share", "gauge", "Regularizer's share of the loss magnitude"),
     "drpo_objective_weight_hist": Family("drpo_objective_weight_hist", "gauge", "Tokens per bin of the DRPO gradient weight w (label bin)"),
@@ -58,7 +66,9 @@ CATALOG: dict[str, Family] = {
     "drpo_rollout_weight_update_seconds": Family("drpo_rollout_weight_update_seconds", "gauge", "Seconds to publish the last weights"),
     "drpo_rollout_queue_depth": Family("drpo_rollout_queue_depth", "gauge", "Prompts queued or generating on the rollout workers"),
     "drpo_learner_tokens_per_second": Family("drpo_learner_tokens_per_second", "gauge", "Trained response tokens per learner second"),
-    "drpo_learner_grad_norm": Family("drpo_learner_grad_norm", "gauge", "Global gradient norm before clipping"),
+    "drpo_learner_grad_norm": Family("drpo_learner_grad_norm", "gauge", "Global gradient norm before clipping (mean over the batch's updates)"),
+    "drpo_learner_grad_norm_max": Family("drpo_learner_grad_norm_max", "gauge", "Largest gradient norm among the batch's updates"),
+    "drpo_learner_updates": Family("drpo_learner_updates", "gauge", "Optimizer updates in the last step (mini-batches)"),
     "drpo_learner_loss": Family("drpo_learner_loss", "gauge", "Training loss"),
     "drpo_learner_entropy_mean": Family("drpo_learner_entropy_mean", "gauge", "Learner entropy per response token (nats)"),
     "drpo_learner_step_duration_seconds": Family("drpo_learner_step_duration_seconds", "gauge", "Learner seconds in the last step"),
@@ -92,6 +102,8 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
     parts = key.split("/")
     if parts[0] == "ledger":
         return "drpo_prompts", {"outcome": parts[1]}
+    if parts[0] == "gap" and parts[1] == "proximal":
+        return _name(key), {}
     if parts[0] == "gap":
         lag = _LAG_LABEL.get(parts[1], "all")
         rest = parts[2:] if parts[1] in _LAG_LABEL else parts[1:]

@@ -16,42 +16,19 @@ from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from controller.backend import Backend, Events, GroupResult, LearnerLost, Started, TrainResult
-from controller.batch import build_train_batch, decoupled_anchor
+import objectives
+from controller.backend import Backend, Events, LearnerLost, TrainResult
 from controller.config import RunConfig
+from learner.batch import TrainBatch
 from learner.group import LearnerGroup
+from rollout.records import Ticket
 from rollout.tasks import Problem
-from rollout.worker import RolloutWorker, ScoredGroup
+from rollout.worker import RolloutWorker
 
 PROBE_SECONDS = 5.0
 """How often wait() wakes to probe dead workers when nothing else happens."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
-
-
-def merge_step_metrics(steps: list) -> tuple[dict[str, float], int, float]:
-    """One record for several updates on one rollout batch: the first update's gap/* (the gap at
-    consumption, before this batch moved the policy), the mean of everything else."""
-    first = steps[0]
-    values = {k: v for k, v in first.values.items() if k.startswith("gap/")}
-    keys = {k for s in steps for k in s.values if not k.startswith("gap/")}
-    for k in keys:
-        got = [s.values[k] for s in steps if k in s.values]
-        values[k] = sum(got) / len(got)
-    values.update({
-        "learner/loss": sum(s.loss for s in steps) / len(steps), "learner/grad_norm": sum(s.grad_norm for s in steps) / len(steps),
-        "learner/lr": steps[-1].lr, "learner/updates": len(steps),
-    })
-    return values, sum(s.tokens for s in steps), sum(s.seconds for s in steps)
-
-
-def token_lag_histogram(batch) -> dict[str, float]:
-    """staleness/token_lag_hist/bin_i: response tokens per version lag (last bin: that lag or more)."""
-    from controller.telemetry import LAG_BINS
-
-    lags = batch.version_lag[batch.response_mask].clamp(max=LAG_BINS - 1)
-    counts = lags.bincount(minlength=LAG_BINS).tolist()
-    return {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
 
 
 class RayBackend(Backend):
@@ -68,7 +45,10 @@ class RayBackend(Backend):
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
         ray.get(self.pg.ready())
-        sampling = {"n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature}
+        sampling = {
+            "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
+            "topk_logprobs": objectives.required_topk(cfg.learner.objective),
+        }
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
@@ -81,7 +61,7 @@ class RayBackend(Backend):
             ).remote(
                 folder, sampling, ro.reward, ro.precision, ro.engine,
                 max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens,
-                chaos=ro.chaos.model_dump() if ro.chaos else None, **engine_kwargs,
+                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, **engine_kwargs,
             )
             for i in range(ro.workers)
         ]
@@ -90,7 +70,6 @@ class RayBackend(Backend):
             "learner": ray.get([w.node_id.remote() for w in self.learner.workers]),
             "rollout": [b["node_id"] for b in beats],
         }
-        self.pad_id = 0
         self._serving = [0] * self.workers
         self._acks: dict = {}
         self._collects = {a.poll.remote(COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
@@ -104,10 +83,10 @@ class RayBackend(Backend):
     def now(self) -> float:
         return time.monotonic()
 
-    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
-        self.actors[worker].submit.remote([problem], tag, n)
+    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
+        self.actors[worker].submit.remote(ticket, problem, n)
 
-    def cancel_queued(self) -> list[tuple[str, str]]:
+    def cancel_queued(self) -> list[Ticket]:
         taken = []
         for i, a in enumerate(self.actors):
             if i in self._down:
@@ -118,13 +97,7 @@ class RayBackend(Backend):
                 pass  # died just now: the controller hears of it from its poll
         return taken
 
-    def start_train(self, groups: list[GroupResult], version: int) -> None:
-        batch = build_train_batch([g.payload for g in groups], version, self.cfg.advantages, self.pad_id)
-        extra = token_lag_histogram(batch)
-        if self.cfg.train.anchor == "decoupled":
-            proximal = self._learner_call(self.learner.compute_logprobs, batch.input_ids)
-            batch, extra["controller/behaviour_weight_mean"] = decoupled_anchor(batch, proximal, self.cfg.train.behaviour_weight_cap)
-        self._train_extra = extra
+    def train(self, batch: TrainBatch) -> None:
         self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
 
     def wait(self) -> Events:
@@ -142,17 +115,17 @@ class RayBackend(Backend):
                 self._down.add(worker)
                 events.lost.append(worker)
                 continue
-            events.groups.extend(self._result(worker, g) for g in finished)
-            events.started.extend(Started(pid, tag, worker, version) for pid, tag, version in began)
+            events.groups.extend(finished)
+            events.started.extend(began)
             self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
         for ref in [r for r in self._probes if r in ready]:
             self._revive(self._probes.pop(ref), ref, events)
         if not (self._train and all(r in ready for r in self._train)):
             return events
         per_rank, self._train = self._learner_call(ray.get, self._train), None
-        values, tokens, seconds = merge_step_metrics(per_rank[0])
-        values.update(self._train_extra)
-        trained = TrainResult(per_rank[0][-1].version, tokens, seconds, values)
+        m = per_rank[0]  # every rank's metrics are already reduced across data-parallel ranks
+        values = {**m.values, "learner/loss": m.loss, "learner/grad_norm": m.grad_norm, "learner/lr": m.lr}
+        trained = TrainResult(m.version, m.tokens, m.seconds, values)
         return Events(events.groups, trained, events.started, events.lost, events.revived)
 
     def _probe_down_workers(self) -> None:
@@ -187,13 +160,6 @@ class RayBackend(Backend):
 
     def available(self, worker: int) -> bool:
         return worker not in self._down
-
-    @staticmethod
-    def _result(worker: int, g: ScoredGroup) -> GroupResult:
-        versions = [int(c.versions.min()) for c in g.completions if len(c.versions)]
-        tokens = sum(len(c.response_ids) for c in g.completions)
-        error = g.error or (None if versions else "every response is empty")
-        return GroupResult(g.problem.id, g.tag, worker, tuple(g.scores), min(versions, default=None), tokens, error, g)
 
     def publish(self, version: int, wait: bool) -> float:
         started = time.monotonic()

@@ -1,9 +1,11 @@
 """A discrete-event backend: generation and training replaced by sampled durations, no models.
 
-Workers take their queue in order, one group at a time, each taking a lognormal duration; a group's
-oldest token version is the version the worker served when it started. A publication reaches every
-worker ``publish_seconds`` later. Time is simulated, so hundreds of workers and thousands of steps
-run in seconds; the Controller driving it is the one that drives real runs.
+Workers take their queue in order, one group at a time, each taking a lognormal duration; every
+token of a group carries the version the worker served when it started. A publication reaches every
+worker ``publish_seconds`` later. Groups are real records (rollout/records.py) with synthetic
+tokens, so the Controller builds real TrainBatches from them with the same batch builder as a real
+run; training only counts the batch's tokens. Time is simulated, so hundreds of workers and
+thousands of steps run in seconds; the Controller driving it is the one that drives real runs.
 """
 
 from __future__ import annotations
@@ -14,9 +16,21 @@ import math
 import random
 from collections import deque
 
-from controller.backend import Backend, Events, GroupResult, Started, TrainResult
+import torch
+
+from controller.backend import Backend, Events, TrainResult
 from controller.config import SimulationConfig
+from learner.batch import TrainBatch
+from rollout.engine import Completion
+from rollout.records import Group, Sample, Started, Ticket
+from rollout.rewards import RewardResult
 from rollout.tasks import Problem
+
+PROMPT_TOKENS = 4
+"""Prompt length of a synthetic sample."""
+SIMULATED_LOGP = -1.0
+"""mu of every synthetic token (the simulated learner computes nothing from it)."""
+_REWARDS = {1.0: RewardResult(1.0, "1", "correct"), 0.0: RewardResult(0.0, "0", "wrong")}
 
 
 def lognormal(rng: random.Random, mean: float, cv: float) -> float:
@@ -28,8 +42,10 @@ def lognormal(rng: random.Random, mean: float, cv: float) -> float:
 
 
 class SimulatedBackend(Backend):
-    def __init__(self, cfg: SimulationConfig, workers: int):
-        self.cfg, self.workers = cfg, workers
+    def __init__(self, cfg: SimulationConfig, workers: int, topk: int = 0):
+        """``topk``: K of the engine top-K log-probs each synthetic token carries (the objective's need)."""
+        self.cfg, self.workers, self.topk = cfg, workers, topk
+        self._completions: dict[int, Completion] = {}
         self.rng = random.Random(cfg.seed)
         self.clock = 0.0
         self._events: list = []
@@ -52,38 +68,52 @@ class SimulatedBackend(Backend):
     def available(self, worker: int) -> bool:
         return not self._down[worker]
 
-    def submit(self, worker: int, problem: Problem, tag: str, n: int) -> None:
+    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
         if self._down[worker]:
             raise RuntimeError(f"submit to worker {worker}, which is down")
-        self._queues[worker].append((problem.id, tag, n))
+        self._queues[worker].append((ticket, n))
         self._start_next(worker)
+
+    def _completion(self, version: int) -> Completion:
+        """One synthetic response sampled at ``version`` (records are immutable, so one per version is shared)."""
+        if version not in self._completions:
+            length, k = self.cfg.tokens_per_sample, self.topk
+            self._completions[version] = Completion(
+                torch.arange(PROMPT_TOKENS), torch.arange(length) % 7 + PROMPT_TOKENS, torch.full((length,), SIMULATED_LOGP),
+                torch.full((length,), version), "stop",
+                topk_ids=torch.arange(k).repeat(length, 1) if k else None, topk_logp=torch.full((length, k), SIMULATED_LOGP - 1) if k else None,
+            )
+        return self._completions[version]
 
     def _start_next(self, worker: int) -> None:
         if self._busy[worker] or not self._queues[worker]:
             return
-        problem_id, tag, n = self._queues[worker].popleft()
+        ticket, n = self._queues[worker].popleft()
         self._busy[worker] = True
+        version = self._serving[worker]
         seconds = lognormal(self.rng, self.cfg.gen_seconds, self.cfg.gen_cv)
         if self.rng.random() < self.cfg.crash_rate:
             self._at(seconds * self.rng.random(), ("crash", (worker, self._incarnation[worker])))
-        rewards = tuple(float(self.rng.random() < self.cfg.accuracy) for _ in range(n))
+        rewards = [float(self.rng.random() < self.cfg.accuracy) for _ in range(n)]
         if self.rng.random() < self.cfg.failure_rate:
-            group = GroupResult(problem_id, tag, worker, (), None, 0, error="simulated engine failure")
+            group = Group(ticket, worker, (), version, seconds, error="simulated engine failure")
         else:
-            group = GroupResult(problem_id, tag, worker, rewards, self._serving[worker], n * self.cfg.tokens_per_sample)
-        self._started.append(Started(problem_id, tag, worker, self._serving[worker]))
+            samples = tuple(Sample(self._completion(version), _REWARDS[r].extracted, _REWARDS[r]) for r in rewards)
+            group = Group(ticket, worker, samples, version, seconds)
+        self._started.append(Started(ticket, worker, version))
         self._at(seconds, ("group", (group, self._incarnation[worker])))
 
-    def cancel_queued(self) -> list[tuple[str, str]]:
-        out = [(pid, tag) for q in self._queues for pid, tag, _ in q]
+    def cancel_queued(self) -> list[Ticket]:
+        out = [ticket for q in self._queues for ticket, _ in q]
         for q in self._queues:
             q.clear()
         return out
 
-    def start_train(self, groups: list[GroupResult], version: int) -> None:
+    def train(self, batch: TrainBatch) -> None:
+        """A step that takes a sampled duration and counts the batch's response tokens."""
         seconds = lognormal(self.rng, self.cfg.train_seconds, self.cfg.train_cv)
-        tokens = sum(g.tokens for g in groups)
-        self._at(seconds, ("train", TrainResult(version + 1, tokens, seconds, {"learner/loss": 0.0})))
+        tokens = int(batch.response_mask.sum())
+        self._at(seconds, ("train", TrainResult(batch.version + 1, tokens, seconds, {"learner/loss": 0.0})))
 
     def wait(self) -> Events:
         """Advance to the next event time and return what finished then (a publication arriving
@@ -93,7 +123,7 @@ class SimulatedBackend(Backend):
             return Events(started=started)
         if not self._events:
             raise RuntimeError("simulation deadlock: the controller waits but nothing is running")
-        groups: list[GroupResult] = []
+        groups: list[Group] = []
         lost: list[int] = []
         revived: list[int] = []
         trained = None

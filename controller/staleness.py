@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+LAG_BINS = 8
+"""Version-lag histograms (staleness/lag_hist, staleness/token_lag_hist) have bins 0..LAG_BINS-2
+and one overflow bin."""
+
+
 class StalenessViolation(RuntimeError):
     """A sample older than the staleness bound reached the learner."""
 
@@ -102,12 +107,11 @@ class StalenessManager:
         """Whether a sample may be trained on now (the drop policy discards it otherwise)."""
         return self._version() - oldest_token_version <= self.max_staleness
 
-    def check(self, oldest_token_version: int) -> int:
-        """Raise StalenessViolation if a sample is too old to train on now; returns its lag."""
-        lag = self._version() - oldest_token_version
+    def check(self, lag: int) -> None:
+        """Raise StalenessViolation if a sample ``lag`` versions old (the batch builder's count for
+        its oldest token) is about to be trained on."""
         if lag > self.max_staleness:
-            raise StalenessViolation(f"sample from version {oldest_token_version} is {lag} versions old; the bound is {self.max_staleness}")
-        return lag
+            raise StalenessViolation(f"a sample {lag} versions old reached the learner; the bound is {self.max_staleness}")
 
     def stats(self) -> StalenessStats:
         with self._lock:

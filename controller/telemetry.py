@@ -12,18 +12,35 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from controller.backend import GroupResult, TrainResult
+from controller.backend import TrainResult
 from controller.config import MetricsConfig
 from controller.prometheus import PrometheusExporter
+from controller.staleness import LAG_BINS, StalenessStats
+from rollout.records import Group
 
-if TYPE_CHECKING:
-    from controller.loop import Controller
 
-LAG_BINS = 8
-"""staleness/lag_hist has bins 0..LAG_BINS-2 and one overflow bin."""
+@dataclass(frozen=True)
+class StepReport:
+    """What the Controller tells telemetry about a finished step: a snapshot, not the Controller."""
+
+    step: int
+    version: int
+    result: TrainResult
+    rewards: list[float]
+    """Every sample's reward in the step's groups."""
+    lags: tuple[int, ...]
+    """Per trained group: its version lag (the batch builder's)."""
+    batch_metrics: dict[str, float]
+    """What the batch builder measured (staleness/token_lag_hist)."""
+    publish_seconds: float
+    staleness: StalenessStats
+    max_staleness: int
+    queue_depth: int
+    buffered: int
+    ledger: dict[str, int]
 
 
 class Telemetry:
@@ -44,30 +61,30 @@ class Telemetry:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
 
-    def group(self, g: GroupResult) -> None:
+    def group(self, g: Group) -> None:
         self._group_tokens += g.tokens
         self._groups += 1
 
-    def step(self, ctl: "Controller", result: TrainResult, groups: list[GroupResult], lags: list[int], publish_seconds: float) -> None:
+    def step(self, r: StepReport) -> None:
         now = self.clock()
         elapsed = max(now - self._since, 1e-9)
-        rewards = [r for g in groups for r in g.rewards]
-        stats = ctl.staleness.stats()
+        rewards, lags, stats, result = r.rewards, r.lags, r.staleness, r.result
         record = {
-            "kind": "step", "step": ctl.step, "version": ctl.version, "time": now, "step_seconds": elapsed,
+            "kind": "step", "step": r.step, "version": r.version, "time": now, "step_seconds": elapsed,
             "reward/mean": sum(rewards) / max(1, len(rewards)),
-            "reward/accuracy": sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+            "reward/accuracy": sum(x >= 1.0 for x in rewards) / max(1, len(rewards)),
             "learner/tokens": result.tokens, "learner/seconds": result.seconds,
             "learner/tokens_per_second": result.tokens / max(result.seconds, 1e-9),
             "rollout/tokens_per_second": self._group_tokens / elapsed, "rollout/groups": self._groups,
-            "rollout/publish_seconds": publish_seconds,
+            "rollout/publish_seconds": r.publish_seconds,
             "staleness/lag_mean": sum(lags) / max(1, len(lags)), "staleness/lag_max": max(lags, default=0),
             "staleness/accepted": stats.accepted, "staleness/running": stats.running, "staleness/rejected": stats.rejected,
             "staleness/capacity": stats.capacity, "staleness/admitted": stats.admitted,
-            "rollout/queue_depth": sum(ctl.load), "staleness/buffered": len(ctl.buffer), "staleness/max": ctl.cfg.train.max_staleness,
+            "rollout/queue_depth": r.queue_depth, "staleness/buffered": r.buffered, "staleness/max": r.max_staleness,
             **{f"staleness/lag_hist/bin_{i}": sum(min(lag, LAG_BINS - 1) == i for lag in lags) for i in range(LAG_BINS)},
-            **{f"ledger/{k}": v for k, v in ctl.ledger.counts().items()},
+            **{f"ledger/{k}": v for k, v in r.ledger.items()},
             "rollout/worker_losses": self.worker_events.get("lost", 0),
+            **r.batch_metrics,
             **result.metrics,
         }
         self._since, self._group_tokens, self._groups = now, 0, 0
@@ -118,11 +135,11 @@ class Telemetry:
         line += (f" eval {ev['accuracy']:.3f}" if ev else "") + f" {r['step_seconds']:.1f}s/step"
         print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", file=sys.stderr, flush=True)
 
-    def summary(self, ctl: "Controller") -> str:
+    def summary(self, eval_history: list[dict], ledger: dict[str, int]) -> str:
         """A plain-text table of the run: held-out accuracy first and last, throughput, gap, ledger."""
         rows = []
-        if ctl.eval_history:
-            first, last = ctl.eval_history[0], ctl.eval_history[-1]
+        if eval_history:
+            first, last = eval_history[0], eval_history[-1]
             rows.append(("held-out accuracy, start", f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
             rows.append(("held-out accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
         if self.steps:
@@ -141,7 +158,7 @@ class Telemetry:
                 ("corrective fraction", f"{mean('objective/corrective_frac'):.5f}"),
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
             ]
-        rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ctl.ledger.counts().items())) or "empty"))
+        rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -15,7 +15,7 @@ OUT = Path(__file__).parent / "grafana" / "dashboards"
 LAG = "lag {{lag}}"
 
 DASHBOARDS = {
-    "drpo-offpolicy-gap": ("drpo — off-policy gap (numerics: lag 0, staleness: lag 1+)", [
+    "drpo-offpolicy-gap": ("drpo — off-policy gap, learner π vs engine μ (numerics: lag 0, staleness: lag 1+)", [
         ("|π−μ| mean by version lag", [("drpo_gap_abs_shift_mean", LAG)], "none"),
         ("|π−μ| p99 by version lag", [("drpo_gap_abs_shift_p99", LAG)], "none"),
         ("|π−μ| max by version lag", [("drpo_gap_abs_shift_max", LAG)], "none"),
@@ -25,6 +25,12 @@ DASHBOARDS = {
             ('drpo_gap_ratio_p01{lag="all"}', "p01"), ('drpo_gap_ratio_p50{lag="all"}', "p50"), ('drpo_gap_ratio_p99{lag="all"}', "p99"),
         ], "none"),
         ("fraction of tokens beyond δ", [("drpo_gap_beyond_delta_ratio", LAG)], "percentunit"),
+        ("decoupled anchor only: |π−π_prox| (the step's own drift, not the gap to μ)", [
+            ("drpo_gap_proximal_abs_shift_mean", "mean"), ("drpo_gap_proximal_abs_shift_max", "max"),
+        ], "none"),
+        ("decoupled anchor only: behaviour weight min(π_prox/μ, cap)", [
+            ("drpo_learner_behaviour_weight_mean", "mean"), ("drpo_learner_behaviour_weight_capped_ratio", "fraction at the cap"),
+        ], "none"),
     ]),
     "drpo-regularizer": ("drpo — DRPO regularizer", [
         ("regularizer magnitude (mean quadratic term per token)", [("drpo_objective_regularizer_mean", "regularizer")], "none"),

@@ -59,6 +59,12 @@ class LearnerConfig(_Config):
     aggregation: AggregationConfig = Field(default_factory=AggregationConfig, description="Loss aggregation mode.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and LR schedule.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
+    anchor: Literal["bypass", "decoupled"] = Field(
+        "bypass",
+        description="bypass: mu from the engine anchors ratio and trust region; decoupled (AReaL): the learner's proximal_logp, "
+        "recomputed at the start of each step, does, and mu only reweights the advantage by min(proximal/mu, cap).",
+    )
+    behaviour_weight_cap: float = Field(5.0, gt=0.0, description="decoupled: cap on the behaviour weight proximal/mu.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature the rollout used; log-probs are taken at it.")
     compute_entropy: bool = Field(True, description="Report the learner's per-token entropy.")

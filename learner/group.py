@@ -15,7 +15,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.publish import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig
-from learner.learner import StepMetrics, TrainBatch
+from learner.batch import TrainBatch
+from learner.learner import StepMetrics
 from learner.worker import LearnerWorker
 
 
@@ -43,26 +44,16 @@ class LearnerGroup:
     def _dp_rank(self, rank: int) -> int:
         return rank // self.cfg.parallel.tensor
 
-    def _split(self, batch: TrainBatch, parts: int) -> list[TrainBatch]:
-        n = batch.input_ids.shape[0]
-        if n % parts:
-            raise ValueError(f"batch of {n} sequences does not split into {parts} equal parts")
-        size = n // parts
-        return [batch.map(lambda t, r=r: t[r * size : (r + 1) * size]) for r in range(parts)]
-
     def train_step(self, batch: TrainBatch) -> StepMetrics:
-        """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics."""
-        return ray.get(self.submit_train(batch, 1))[0][0]
+        """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics
+        (already reduced across ranks)."""
+        return ray.get(self.submit_train(batch, 1)[0])
 
     def submit_train(self, batch: TrainBatch, mini_batches: int = 1) -> list:
         """Start ``mini_batches`` updates on consecutive slices of ``batch`` (each split across
-        data-parallel ranks); returns one ref per rank, each to its list of StepMetrics."""
-        dp = self.cfg.parallel.data
-        per_rank = [[] for _ in range(dp)]
-        for mb in self._split(batch, mini_batches):
-            for r, part in enumerate(self._split(mb, dp)):
-                per_rank[r].append(part)
-        return [w.train_batch.remote(per_rank[self._dp_rank(i)]) for i, w in enumerate(self.workers)]
+        data-parallel ranks); returns one ref per rank to its StepMetrics."""
+        per_rank = list(zip(*(mb.split(self.cfg.parallel.data) for mb in batch.split(mini_batches))))
+        return [w.train.remote(list(per_rank[self._dp_rank(i)])) for i, w in enumerate(self.workers)]
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of every sequence (each data-parallel rank computes its slice)."""

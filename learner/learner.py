@@ -3,15 +3,17 @@
 A plain class, built in tests without Ray; ``learner/worker.py`` wraps it in a Ray actor. The
 process group and megatron's parallel_state must be initialized first (learner/distributed.py).
 
-Data convention: every per-token tensor of a ``TrainBatch`` is aligned with ``input_ids`` [N, S]
-(prompt and response, right-padded): position t holds the statistics of token input_ids[t], which
-the model predicts from positions < t; position 0 is never scored.
+One call of ``train`` is one rollout batch: in decoupled mode the proximal log-probs of every
+mini-batch are computed first, then one optimizer update per mini-batch, then the version advances
+once. Metrics are accumulated by kind over every micro-batch of every update and reduced across
+data-parallel ranks once (learner/metrics.py). The data convention is ``TrainBatch``'s (learner/batch.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -20,50 +22,13 @@ import torch.distributed as dist
 import objectives
 from learner import bridge, checkpoint, optim
 from learner import model as modeling
+from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
+from objectives.base import Metric, fraction, masked_mean
 from objectives.diagnostics import gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """A batch of sequences to train on; every tensor is [N, S] aligned with input_ids."""
-
-    input_ids: torch.Tensor
-    """[N, S] int64 prompt + response token ids, right-padded (any id at padding)."""
-    response_mask: torch.Tensor
-    """[N, S] bool, True at response tokens that count in the loss."""
-    rollout_logp: torch.Tensor
-    """[N, S] behaviour log-prob mu of each response token, from the engine that sampled it."""
-    advantages: torch.Tensor
-    """[N, S] advantage of each response token."""
-    version_lag: torch.Tensor | None = None
-    """[N, S] int64 learner version minus the version that sampled each token (optional): splits
-    the gap metrics into numerics (lag 0) and staleness (lag >= 1)."""
-
-    def __post_init__(self) -> None:
-        for name in ("response_mask", "rollout_logp", "advantages", "version_lag"):
-            t = getattr(self, name)
-            if t is not None and t.shape != self.input_ids.shape:
-                raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, input_ids has {tuple(self.input_ids.shape)}")
-        if self.response_mask[:, 0].any():
-            raise ValueError("TrainBatch.response_mask marks position 0, which has no context to predict it from")
-        if not torch.isfinite(torch.where(self.response_mask, self.rollout_logp, 0.0)).all():
-            raise ValueError("TrainBatch.rollout_logp has NaN or inf at response tokens (bad engine output)")
-
-    def map(self, fn) -> "TrainBatch":
-        """A TrainBatch of ``fn`` applied to each of the four tensors (slicing, device moves)."""
-        lag = None if self.version_lag is None else fn(self.version_lag)
-        return TrainBatch(fn(self.input_ids), fn(self.response_mask), fn(self.rollout_logp), fn(self.advantages), lag)
-
-    def to(self, device: torch.device) -> "TrainBatch":
-        return self.map(lambda t: t.to(device, non_blocking=True))
-
-    def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
-        for s in range(0, self.input_ids.shape[0], size):
-            yield self.map(lambda t: t[s : s + size])
 
 
 @dataclass(frozen=True)
@@ -71,14 +36,19 @@ class StepMetrics:
     """What one optimizer step reports (floats, namespaced keys in ``values``)."""
 
     step: int
+    """Optimizer updates so far."""
     version: int
+    """The policy version after the batch (one per rollout batch, however many updates)."""
     loss: float
+    """Mean over the batch's updates."""
     grad_norm: float
+    """Mean over the batch's updates (learner/grad_norm_max has the largest)."""
     lr: float
     tokens: int
     seconds: float
     values: dict[str, float] = field(default_factory=dict)
-    """objective/* (every objective diagnostic), gap/*, learner/entropy_mean; histograms as '/bin_i'."""
+    """objective/* (every objective diagnostic), gap/*, learner/*; each reduced by its kind over all
+    micro-batches, updates and data-parallel ranks; histograms as '/bin_i'."""
 
 
 class _GatherVocabShards(torch.autograd.Function):
@@ -167,66 +137,127 @@ class Learner:
 
         return _GatherVocabShards.apply(weight, parallel_state.get_tensor_model_parallel_group(), self.tp_rank, self.tp_size)
 
-    def token_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
-        """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on."""
+    def token_logprobs(self, input_ids: torch.Tensor, ids: torch.Tensor | None = None) -> TokenLogProbs:
+        """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on.
+        ``ids`` [N, S, K] (aligned the same way): also the log-probs of those ids (``ids_logp``)."""
         input_ids = input_ids.to(self.device)
         hidden = modeling.forward_hidden(self.module, input_ids)[:, :-1]
         out = logprobs_from_hidden(
             hidden, self._output_weight(), input_ids[:, 1:], self.cfg.temperature,
             entropy=self.cfg.compute_entropy, topk=self.cfg.topk, max_chunk_elements=self.cfg.max_chunk_elements,
+            ids=None if ids is None else ids.to(self.device)[:, 1:],
         )
 
         def pad(t):
             return None if t is None else torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)
 
-        return TokenLogProbs(pad(out.logp), pad(out.entropy), pad(out.topk_logp), pad(out.topk_ids))
+        return TokenLogProbs(pad(out.logp), pad(out.entropy), pad(out.topk_logp), pad(out.topk_ids), pad(out.ids_logp))
 
     @torch.no_grad()
-    def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
+    def compute_logprobs(self, input_ids: torch.Tensor, ids: torch.Tensor | None = None) -> TokenLogProbs:
         """Log-probs without gradient (proximal_logp recomputation, evaluation)."""
         self.model.eval()
-        return self.token_logprobs(input_ids)
+        return self.token_logprobs(input_ids, ids)
 
     # ---- step -------------------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch, advance_version: bool = True) -> StepMetrics:
-        """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR schedule.
+    def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
+        """One rollout batch: an optimizer update per mini-batch, then the version advances once
+        (the policy version counts rollout batches, what the staleness bound is stated in).
 
-        ``advance_version=False`` for all but the last of several updates on one rollout batch: the
-        policy version counts rollout batches (what the staleness bound is stated in), not updates."""
+        Decoupled anchor: every mini-batch's proximal log-probs come first, from the weights before
+        any of this batch's updates (AReaL, arXiv 2505.24298)."""
         started = time.perf_counter()
+        for mb in mini_batches:
+            if mb.version is not None and mb.version != self.version:
+                raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
+        if self.cfg.anchor == "decoupled":
+            mini_batches = [self._with_proximal(mb) for mb in mini_batches]
+        acc = MetricAccumulator()
+        losses, norms, tokens = [], [], 0
+        for mb in mini_batches:
+            loss, grad_norm, count = self._update(mb, acc)
+            losses.append(loss)
+            norms.append(grad_norm)
+            tokens += count
+        self.version += 1
+        loss = torch.stack(losses)
+        if self._dp_size() > 1:  # each rank's loss is normalized by global counts: ranks' parts add up
+            dist.all_reduce(loss, group=self._dp_group())
+        values = acc.reduce(self._dp_group())
+        values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
+        values.update({"learner/grad_norm_max": max(norms), "learner/updates": len(mini_batches)})
+        return StepMetrics(
+            step=self.step_count, version=self.version, loss=float(loss.mean()), grad_norm=sum(norms) / len(norms),
+            lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
+        )
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        """``train`` on one mini-batch."""
+        return self.train([batch])
+
+    def _with_proximal(self, batch: TrainBatch) -> TrainBatch:
+        """The batch with the learner's log-probs now (before updating on it) as proximal_logp,
+        and on the engine's top-K ids as proximal_topk_logp."""
+        stats = self.compute_logprobs(batch.input_ids, batch.rollout_topk_ids)
+        return replace(batch, proximal_logp=stats.logp.cpu(), proximal_topk_logp=None if stats.ids_logp is None else stats.ids_logp.cpu())
+
+    def _objective_inputs(self, mb: TrainBatch, stats: TokenLogProbs) -> tuple[objectives.ObjectiveInputs, dict[str, Metric]]:
+        """What the objective sees. bypass: mu anchors it. decoupled: proximal_logp anchors it and mu
+        enters only as the behaviour weight min(proximal/mu, cap) on the advantage, which is exact for
+        every registered objective (each is positively homogeneous in A)."""
+        mask = mb.response_mask
+        if self.cfg.anchor == "bypass":
+            inputs = objectives.ObjectiveInputs(
+                stats.logp, mb.rollout_logp, mb.advantages, mask, rollout_topk_logp=mb.rollout_topk_logp, policy_topk_logp=stats.ids_logp
+            )
+            return inputs, {}
+        log_w = (mb.proximal_logp - mb.rollout_logp).clamp(max=math.log(self.cfg.behaviour_weight_cap))
+        weight = torch.where(mask, log_w.exp(), 0.0)
+        inputs = objectives.ObjectiveInputs(
+            stats.logp, mb.proximal_logp, mb.advantages * weight, mask, rollout_topk_logp=mb.proximal_topk_logp, policy_topk_logp=stats.ids_logp
+        )
+        capped = log_w >= math.log(self.cfg.behaviour_weight_cap)
+        return inputs, {"behaviour_weight_mean": masked_mean(weight, mask), "behaviour_weight_capped_frac": fraction(capped, mask)}
+
+    def _update(self, batch: TrainBatch, acc: MetricAccumulator) -> tuple[torch.Tensor, float, int]:
+        """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR
+        schedule. Returns this rank's loss (a tensor: no host sync), the grad norm and the global
+        number of response tokens."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         normalizer, tokens = self._global_normalizer(batch)
         dp = self._dp_size()
-        acc = MetricAccumulator()
         delta = getattr(self.cfg.objective, "delta", None)  # the trust region, for gap/beyond_delta_frac
         total_loss = torch.zeros((), device=self.device)
         for mb in batch.to(self.device).micro_batches(self.cfg.micro_batch_size):
-            stats = self.token_logprobs(mb.input_ids)
-            out = objectives.compute(self.cfg.objective, objectives.ObjectiveInputs(stats.logp, mb.rollout_logp, mb.advantages, mb.response_mask))
+            stats = self.token_logprobs(mb.input_ids, mb.rollout_topk_ids)
+            inputs, anchor_metrics = self._objective_inputs(mb, stats)
+            out = objectives.compute(self.cfg.objective, inputs)
             loss = objectives.aggregate(out.loss, mb.response_mask, self.cfg.aggregation.mode, normalizer, self.cfg.aggregation.horizon)
             # the loss is already normalized by global counts, so ranks' gradients must add, not average
             (loss * dp).backward()
             total_loss += loss.detach()
             acc.add("objective/", out.metrics)
-            acc.add("gap/", gap_metrics(stats.logp, mb.rollout_logp, mb.response_mask, delta, entropy=stats.entropy))
-            if mb.version_lag is not None:
-                by_lag = gap_metrics_by_lag(stats.logp, mb.rollout_logp, mb.version_lag, mb.response_mask, delta)
-                acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
+            acc.add("learner/", anchor_metrics)
+            self._gap_metrics(acc, stats, mb, delta)
         self.model.finish_grad_sync()
         grad_norm = self.optimizer.step()
         self.step_count += 1
-        self.version += int(advance_version)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(total_loss)
-        values = acc.reduce(self._dp_group())
-        values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
-        return StepMetrics(
-            step=self.step_count, version=self.version, loss=total_loss.item(), grad_norm=grad_norm,
-            lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
-        )
+        return total_loss, grad_norm, tokens
+
+    @staticmethod
+    def _gap_metrics(acc: MetricAccumulator, stats: TokenLogProbs, mb: TrainBatch, delta: float | None) -> None:
+        """gap/* is always pi against mu from the engine (split by lag when the batch has lags);
+        in decoupled mode gap/proximal/* adds pi against the step's own proximal_logp."""
+        logp, mask = stats.logp.detach(), mb.response_mask
+        acc.add("gap/", gap_metrics(logp, mb.rollout_logp, mask, delta, entropy=stats.entropy))
+        if mb.version_lag is not None:
+            by_lag = gap_metrics_by_lag(logp, mb.rollout_logp, mb.version_lag, mask, delta)
+            acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
+        if mb.proximal_logp is not None:
+            acc.add("gap/proximal/", gap_metrics(logp, mb.proximal_logp, mask, delta))
 
     def _global_normalizer(self, batch: TrainBatch) -> tuple[torch.Tensor, int]:
         mask = batch.response_mask

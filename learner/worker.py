@@ -11,7 +11,8 @@ import torch
 from learner import distributed, publish
 from learner.broadcast import WeightBroadcastGroup
 from learner.config import LearnerConfig
-from learner.learner import Learner, StepMetrics, TrainBatch
+from learner.batch import TrainBatch
+from learner.learner import Learner, StepMetrics
 from objectives.logprobs import TokenLogProbs
 
 
@@ -36,13 +37,9 @@ class LearnerWorker:
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port)
         self.learner = Learner.from_hf_folder(self.cfg, model_folder)
 
-    def train_step(self, batch: TrainBatch) -> StepMetrics:
-        return self.learner.train_step(batch)
-
-    def train_batch(self, mini_batches: list[TrainBatch]) -> list[StepMetrics]:
-        """One optimizer update per mini-batch; the version advances once, after the last."""
-        last = len(mini_batches) - 1
-        return [self.learner.train_step(mb, advance_version=i == last) for i, mb in enumerate(mini_batches)]
+    def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
+        """One rollout batch (this rank's slice of each mini-batch): Learner.train."""
+        return self.learner.train(mini_batches)
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return self.learner.compute_logprobs(input_ids)

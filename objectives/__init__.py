@@ -29,7 +29,7 @@ from objectives.base import (
     register_objective,
     registry,
 )
-from objectives.config import ObjectiveConfig
+from objectives.config import ObjectiveConfig, required_topk
 
 _TENSOR_PARAMS = ("mask", "rollout_topk_logp", "policy_topk_logp")
 
@@ -44,6 +44,7 @@ __all__ = [
     "compute",
     "make_config",
     "register_objective",
+    "required_topk",
     "token_loss",
 ]
 

@@ -71,14 +71,21 @@ class DPPOBinaryKLConfig(_DPPOConfig):
     delta: float = Field(0.05, gt=0.0, description="Trust region on the Bernoulli KL of the sampled token.")
 
 
-class DPPOTopKTVConfig(_DPPOConfig):
+class _DPPOTopKConfig(_DPPOConfig):
+    k: int = Field(
+        20, ge=1, le=100,
+        description="K: the engine reports its K most likely tokens at every position (vLLM's default max_logprobs is 20).",
+    )
+
+
+class DPPOTopKTVConfig(_DPPOTopKConfig):
     """DPPO Top-K TV: TV between the engine's top-K (+ rest bucket) and the learner's probabilities on those ids."""
 
     type: Literal["dppo_topk_tv"] = "dppo_topk_tv"
     delta: float = Field(0.15, gt=0.0, le=1.0, description="Trust region on the top-K TV distance.")
 
 
-class DPPOTopKKLConfig(_DPPOConfig):
+class DPPOTopKKLConfig(_DPPOTopKConfig):
     """DPPO Top-K KL: KL(mu_topK || pi_topK), both with one rest bucket."""
 
     type: Literal["dppo_topk_kl"] = "dppo_topk_kl"
@@ -180,3 +187,9 @@ class AggregationConfig(_Config):
         if self.mode != "seq-mean-token-sum-norm" and self.horizon is not None:
             raise ValueError(f"aggregation.horizon is only used by seq-mean-token-sum-norm, not {self.mode}")
         return self
+
+
+def required_topk(config: BaseModel) -> int:
+    """K of the engine top-K log-probs an objective needs (0: it needs none). The rollout engine is
+    asked for them, the batch carries them, and the learner computes pi on exactly those ids."""
+    return config.k if isinstance(config, _DPPOTopKConfig) else 0

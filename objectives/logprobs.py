@@ -11,7 +11,8 @@ gradient straight into the input's gradient.
     entropy_t = -sum_v p_v log p_v,             p = softmax(z)
     d logp / d z = onehot(y) - p,  d entropy / d z = -p (log p + entropy)
 
-Top-K log-probs (and ids) are returned without gradient: they feed diagnostics and Top-K DPPO masks.
+Top-K log-probs (and ids) are returned without gradient, and so are the log-probs of given ``ids``
+per token (the engine's top-K ids: Top-K DPPO needs pi on exactly the ids the engine reported).
 ``targets`` must hold valid token ids everywhere (use any id, such as 0, at padded positions).
 """
 
@@ -39,6 +40,8 @@ class TokenLogProbs:
     """[..., K] fp32 log-probs of the K most likely tokens (descending); no gradient."""
     topk_ids: torch.Tensor | None = None
     """[..., K] int64 ids of those tokens."""
+    ids_logp: torch.Tensor | None = None
+    """[..., J] fp32 log-probs of the ``ids`` asked for at each position; no gradient."""
 
 
 def chunk_size(vocab: int, max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
@@ -46,16 +49,18 @@ def chunk_size(vocab: int, max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
     return max(1, max_elements // vocab)
 
 
-def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool, topk: int):
-    """Turn a chunk's scaled logits z [n, V] (consumed in place) into logp, entropy, top-K."""
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool, topk: int, ids: torch.Tensor | None):
+    """Turn a chunk's scaled logits z [n, V] (consumed in place) into logp, entropy, top-K and the
+    log-probs at ``ids`` [n, J]."""
     z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # z is now log-softmax
     logp = z.gather(1, targets[:, None]).squeeze(1)
+    at_ids = z.gather(1, ids) if ids is not None else None
     entropy = None
     if want_entropy:
         # In place then torch's cascade sum: a bmm dot product was 60x less accurate at V = 49k.
         entropy = -z.exp().mul_(z).sum(dim=-1)
     top = torch.topk(z, topk, dim=-1) if topk > 0 else None
-    return logp, entropy, top
+    return logp, entropy, top, at_ids
 
 
 def _chunk_grad(z: torch.Tensor, targets: torch.Tensor, g_logp: torch.Tensor, g_entropy, temperature: float):
@@ -72,20 +77,23 @@ def _chunk_grad(z: torch.Tensor, targets: torch.Tensor, g_logp: torch.Tensor, g_
     return grad.div_(temperature)
 
 
-def _run_forward(make_z: Callable[[int, int], torch.Tensor], n: int, chunk: int, targets, want_entropy, topk, device):
+def _run_forward(make_z: Callable[[int, int], torch.Tensor], n: int, chunk: int, targets, want_entropy, topk, ids, device):
     logp = torch.empty(n, dtype=torch.float32, device=device)
     entropy = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=device)
     top_v = torch.empty(n, topk, dtype=torch.float32, device=device)
     top_i = torch.empty(n, topk, dtype=torch.long, device=device)
+    at_ids = torch.empty(n, 0 if ids is None else ids.shape[1], dtype=torch.float32, device=device)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        lp, ent, top = _chunk_stats(make_z(s, e), targets[s:e], want_entropy, topk)
+        lp, ent, top, at = _chunk_stats(make_z(s, e), targets[s:e], want_entropy, topk, None if ids is None else ids[s:e])
         logp[s:e] = lp
         if want_entropy:
             entropy[s:e] = ent
         if top is not None:
             top_v[s:e], top_i[s:e] = top.values, top.indices
-    return logp, entropy, top_v, top_i
+        if at is not None:
+            at_ids[s:e] = at
+    return logp, entropy, top_v, top_i, at_ids
 
 
 def _backward_chunks(make_z, n: int, ctx, targets, g_logp, g_entropy, device):
@@ -102,18 +110,18 @@ class _HiddenLogProbs(torch.autograd.Function):
     """Chunked statistics of softmax(hidden @ weight.T / T); gradients to hidden and weight."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, want_entropy, topk, chunk):
+    def forward(ctx, hidden, weight, targets, temperature, want_entropy, topk, chunk, ids):
         def make_z(s, e):
             return torch.matmul(hidden[s:e], weight.t()).float().div_(temperature)
 
-        outs = _run_forward(make_z, hidden.shape[0], chunk, targets, want_entropy, topk, hidden.device)
+        outs = _run_forward(make_z, hidden.shape[0], chunk, targets, want_entropy, topk, ids, hidden.device)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.want_entropy, ctx.chunk = temperature, want_entropy, chunk
-        ctx.mark_non_differentiable(outs[2], outs[3])
+        ctx.mark_non_differentiable(outs[2], outs[3], outs[4])
         return outs
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i):
+    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i, _g_ids):
         hidden, weight, targets = ctx.saved_tensors
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -129,25 +137,25 @@ class _HiddenLogProbs(torch.autograd.Function):
                 grad_w.add_(grad_z.t().float() @ hidden[s:e].float())
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 class _LogitsLogProbs(torch.autograd.Function):
     """Chunked statistics of softmax(logits / T) without a full fp32 copy of the logits."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, want_entropy, topk, chunk):
+    def forward(ctx, logits, targets, temperature, want_entropy, topk, chunk, ids):
         def make_z(s, e):
             return logits[s:e].float().div(temperature)
 
-        outs = _run_forward(make_z, logits.shape[0], chunk, targets, want_entropy, topk, logits.device)
+        outs = _run_forward(make_z, logits.shape[0], chunk, targets, want_entropy, topk, ids, logits.device)
         ctx.save_for_backward(logits, targets)
         ctx.temperature, ctx.want_entropy, ctx.chunk = temperature, want_entropy, chunk
-        ctx.mark_non_differentiable(outs[2], outs[3])
+        ctx.mark_non_differentiable(outs[2], outs[3], outs[4])
         return outs
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i):
+    def backward(ctx, g_logp, g_entropy, _g_top_v, _g_top_i, _g_ids):
         logits, targets = ctx.saved_tensors
         grad = torch.empty_like(logits)
 
@@ -156,26 +164,33 @@ class _LogitsLogProbs(torch.autograd.Function):
 
         for s, e, grad_z in _backward_chunks(make_z, logits.shape[0], ctx, targets, g_logp, g_entropy, logits.device):
             grad[s:e] = grad_z
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
-def _check(targets: torch.Tensor, lead: torch.Size, temperature: float, topk: int, vocab: int) -> None:
+def _check(targets: torch.Tensor, lead: torch.Size, temperature: float, topk: int, vocab: int, ids: torch.Tensor | None) -> None:
     if targets.shape != lead:
         raise ValueError(f"targets shape {tuple(targets.shape)} must equal the leading shape {tuple(lead)}")
+    if ids is not None and (ids.dim() != len(lead) + 1 or ids.shape[:-1] != lead):
+        raise ValueError(f"ids shape {tuple(ids.shape)} must be the leading shape {tuple(lead)} + (J,)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not 0 <= topk <= vocab:
         raise ValueError(f"topk must be in [0, vocab={vocab}], got {topk}")
 
 
-def _package(lead: torch.Size, outs, want_entropy: bool, topk: int) -> TokenLogProbs:
-    logp, entropy, top_v, top_i = outs
+def _package(lead: torch.Size, outs, want_entropy: bool, topk: int, ids: torch.Tensor | None) -> TokenLogProbs:
+    logp, entropy, top_v, top_i, at_ids = outs
     return TokenLogProbs(
         logp=logp.reshape(lead),
         entropy=entropy.reshape(lead) if want_entropy else None,
         topk_logp=top_v.reshape(*lead, topk) if topk else None,
         topk_ids=top_i.reshape(*lead, topk) if topk else None,
+        ids_logp=at_ids.reshape(*lead, ids.shape[-1]) if ids is not None else None,
     )
+
+
+def _flat_ids(ids: torch.Tensor | None) -> torch.Tensor | None:
+    return None if ids is None else ids.reshape(-1, ids.shape[-1]).long()
 
 
 def logprobs_from_hidden(
@@ -186,18 +201,21 @@ def logprobs_from_hidden(
     *,
     entropy: bool = False,
     topk: int = 0,
+    ids: torch.Tensor | None = None,
     max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> TokenLogProbs:
-    """Statistics of softmax(hidden @ weight.T / temperature) for hidden [..., H], weight [V, H]."""
+    """Statistics of softmax(hidden @ weight.T / temperature) for hidden [..., H], weight [V, H];
+    ``ids`` [..., J]: also the log-probs of those token ids at each position."""
     lead = hidden.shape[:-1]
-    _check(targets, lead, temperature, topk, weight.shape[0])
+    _check(targets, lead, temperature, topk, weight.shape[0], ids)
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match weight {tuple(weight.shape)}")
     chunk = chunk_size(weight.shape[0], max_chunk_elements)
     outs = _HiddenLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk,
+        _flat_ids(ids),
     )
-    return _package(lead, outs, entropy, topk)
+    return _package(lead, outs, entropy, topk, ids)
 
 
 def logprobs_from_logits(
@@ -207,15 +225,17 @@ def logprobs_from_logits(
     *,
     entropy: bool = False,
     topk: int = 0,
+    ids: torch.Tensor | None = None,
     max_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> TokenLogProbs:
-    """Statistics of softmax(logits / temperature) for logits [..., V] of any float dtype."""
+    """Statistics of softmax(logits / temperature) for logits [..., V] of any float dtype; ``ids``
+    as in ``logprobs_from_hidden``."""
     lead = logits.shape[:-1]
-    _check(targets, lead, temperature, topk, logits.shape[-1])
+    _check(targets, lead, temperature, topk, logits.shape[-1], ids)
     chunk = chunk_size(logits.shape[-1], max_chunk_elements)
     flat = logits.reshape(-1, logits.shape[-1])
-    outs = _LogitsLogProbs.apply(flat, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk)
-    return _package(lead, outs, entropy, topk)
+    outs = _LogitsLogProbs.apply(flat, targets.reshape(-1).long(), float(temperature), entropy, topk, chunk, _flat_ids(ids))
+    return _package(lead, outs, entropy, topk, ids)
 
 
 def naive_logprobs(
@@ -225,6 +245,7 @@ def naive_logprobs(
     *,
     entropy: bool = False,
     topk: int = 0,
+    ids: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> TokenLogProbs:
     """Reference over full logits upcast to ``dtype`` (what the chunked kernels must equal).
@@ -239,4 +260,5 @@ def naive_logprobs(
         entropy=-(logq.exp() * logq).sum(-1) if entropy else None,
         topk_logp=top.values if top is not None else None,
         topk_ids=top.indices if top is not None else None,
+        ids_logp=logq.detach().gather(-1, ids.long()) if ids is not None else None,
     )

@@ -92,23 +92,3 @@ def fake_quantize_fp8(t: torch.Tensor) -> torch.Tensor:
     engine, to create real training-inference mismatch. Scale maps the max |w| to e4m3's max 448."""
     scale = t.abs().max().clamp_min(1e-12) / 448.0
     return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale
-
-
-ENGINES = ("hf", "vllm", "sglang")
-
-
-def make_engine(kind: str, model_folder: str, precision: Precision = "fp32", **kwargs) -> Engine:
-    """Build the named engine; heavy imports happen only for the one chosen."""
-    if kind == "hf":
-        from rollout.hf_engine import HFEngine
-
-        return HFEngine(model_folder, precision=precision, **kwargs)
-    if kind == "vllm":
-        from rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_folder, precision=precision, **kwargs)
-    if kind == "sglang":
-        from rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(model_folder, precision=precision, **kwargs)
-    raise ValueError(f"unknown engine {kind!r}; expected one of {', '.join(ENGINES)}")

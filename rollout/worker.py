@@ -1,11 +1,12 @@
 """RolloutWorker: a Ray actor that turns admitted prompts into scored groups, asynchronously.
 
-Thin around an Engine: ``submit`` queues problems and returns at once; a background thread takes
-them in order, generates a group of n samples, scores every completion, and appends the finished
-``ScoredGroup`` to an outbox that ``collect`` drains. ``update_weights`` stages a publication while
-generation runs; the engine swaps it in between two decoding steps, so no request is dropped and a
-response spanning the update records both versions. ``heartbeat`` reports liveness and progress.
-A generation or reward failure is recorded on its group (``error``), never kills the worker.
+Thin around an Engine: ``submit`` queues (ticket, problem) pairs and returns at once; a background
+thread takes them in order, generates a group of n samples, scores every completion, and appends
+the finished ``Group`` record (rollout/records.py) to an outbox that ``poll`` drains.
+``update_weights`` stages a publication while generation runs; the engine swaps it in between two
+decoding steps, so no request is dropped and a response spanning the update records both versions.
+``heartbeat`` reports liveness and progress. A bad prompt, a generation or reward failure, or
+malformed engine output fails its own group (``error``), never the worker.
 """
 
 from __future__ import annotations
@@ -19,25 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine import Completion, SamplingParams, make_engine
+from rollout.engine import Completion, SamplingParams
+from rollout.engines import make_engine
+from rollout.records import EvalTicket, Group, Sample, Started, Ticket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult
 from rollout.tasks import Problem
-
-
-@dataclass(frozen=True)
-class ScoredGroup:
-    problem: Problem
-    completions: list[Completion]
-    texts: list[str]
-    rewards: list[RewardResult]
-    seconds: float
-    error: str | None = None
-    tag: str = "train"
-    """What the controller asked for it as ("train", "eval"); echoed back unchanged."""
-
-    @property
-    def scores(self) -> list[float]:
-        return [r.score for r in self.rewards]
 
 
 @dataclass
@@ -56,35 +43,54 @@ def make_reward(name: str):
     raise ValueError(f"unknown reward {name!r}; expected 'literal' or 'math_verify'")
 
 
+def completion_problem(c: Completion, topk: int) -> str | None:
+    """What is wrong with an engine's completion, or None: per-token tensors must match the response
+    length, mu must be finite, and top-K must be there (with K columns) when it was asked for."""
+    length = len(c.response_ids)
+    if len(c.rollout_logp) != length or len(c.versions) != length:
+        return f"engine returned {len(c.rollout_logp)} log-probs and {len(c.versions)} versions for {length} tokens"
+    if not torch.isfinite(c.rollout_logp).all():
+        return "engine returned NaN or inf behaviour log-probs"
+    if topk:
+        if c.topk_ids is None or c.topk_logp is None:
+            return f"engine returned no top-{topk} log-probs although they were asked for"
+        if tuple(c.topk_ids.shape) != (length, topk) or tuple(c.topk_logp.shape) != (length, topk):
+            return f"engine returned top-K of shape {tuple(c.topk_ids.shape)}, expected ({length}, {topk})"
+    return None
+
+
 class RolloutWorker:
     """Create with ``ray.remote(RolloutWorker)``; every method returns quickly."""
 
     def __init__(
         self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf",
-        max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, chaos: dict | None = None, **engine_kwargs,
+        max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, chaos: dict | None = None, worker_id: int = 0,
+        **engine_kwargs,
     ):
-        """``max_batch_prompts``: queued prompts of the same kind generated together in one engine
+        """``sampling``: SamplingParams fields (``topk_logprobs`` applies to training groups only);
+        ``max_batch_prompts``: queued prompts of the same kind generated together in one engine
         call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group;
-        ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests."""
+        ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests; ``worker_id``:
+        the index its records carry."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.reward = make_reward(reward)
+        self.worker_id = worker_id
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
         self.chaos = dict(chaos or {})
         self._chaos_rng = random.Random(self.chaos.pop("seed", 0))
-        self._inbox: queue.Queue[tuple[Problem, str, int] | None] = queue.Queue()
-        self._outbox: list[ScoredGroup] = []
-        self._started: list[tuple[str, str, int]] = []
+        self._inbox: queue.Queue[tuple[Ticket, Problem, int] | None] = queue.Queue()
+        self._outbox: list[Group] = []
+        self._started: list[Started] = []
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._in_flight = 0
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
-    def submit(self, problems: list[Problem], tag: str = "train", n: int | None = None) -> int:
-        """Queue problems for generation (``n`` samples each, default the sampling's); returns the queue depth."""
-        for p in problems:
-            self._inbox.put((p, tag, n or self.sampling.n))
+    def submit(self, ticket: Ticket, problem: Problem, n: int | None = None) -> int:
+        """Queue one problem for ``n`` samples (default the sampling's) under ``ticket``; returns the queue depth."""
+        self._inbox.put((ticket, problem, n or self.sampling.n))
         return self._inbox.qsize()
 
     def reset(self) -> None:
@@ -94,8 +100,8 @@ class RolloutWorker:
         with self._lock:
             self._outbox, self._started = [], []
 
-    def cancel_queued(self) -> list[tuple[str, str]]:
-        """Take back every queued problem not yet started; returns their (problem id, tag)."""
+    def cancel_queued(self) -> list[Ticket]:
+        """Take back every queued submission not yet started; returns their tickets."""
         taken, keep = [], []
         while True:
             try:
@@ -105,21 +111,10 @@ class RolloutWorker:
             (keep if item is None else taken).append(item)
         for item in keep:
             self._inbox.put(item)
-        return [(p.id, tag) for p, tag, _ in taken]
+        return [ticket for ticket, _, _ in taken]
 
-    def collect(self, min_groups: int = 1, timeout_s: float = 0.0) -> list[ScoredGroup]:
-        """Finished groups (all of them), waiting up to ``timeout_s`` for at least ``min_groups``."""
-        deadline = time.time() + timeout_s
-        while True:
-            with self._lock:
-                if len(self._outbox) >= min_groups or time.time() >= deadline:
-                    out, self._outbox = self._outbox, []
-                    return out
-            time.sleep(0.05)
-
-    def poll(self, timeout_s: float = 0.0) -> tuple[list[ScoredGroup], list[tuple[str, str, int]]]:
-        """Finished groups and started submissions ((problem id, tag, version served at start)),
-        waiting up to ``timeout_s`` for either."""
+    def poll(self, timeout_s: float = 0.0) -> tuple[list[Group], list[Started]]:
+        """Finished groups and started submissions, waiting up to ``timeout_s`` for either."""
         deadline = time.time() + timeout_s
         while True:
             with self._lock:
@@ -127,6 +122,16 @@ class RolloutWorker:
                     out, started = self._outbox, self._started
                     self._outbox, self._started = [], []
                     return out, started
+            time.sleep(0.05)
+
+    def collect(self, min_groups: int = 1, timeout_s: float = 0.0) -> list[Group]:
+        """Finished groups (all of them), waiting up to ``timeout_s`` for at least ``min_groups``."""
+        deadline = time.time() + timeout_s
+        while True:
+            with self._lock:
+                if len(self._outbox) >= min_groups or time.time() >= deadline:
+                    out, self._outbox = self._outbox, []
+                    return out
             time.sleep(0.05)
 
     def update_weights(self, bucket_refs: list) -> int:
@@ -163,20 +168,21 @@ class RolloutWorker:
                     nxt = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is None or nxt[1:] != item[1:]:
+                if nxt is None or type(nxt[0]) is not type(item[0]) or nxt[2] != item[2]:
                     self._inbox.put(nxt)  # order across kinds is not promised; shutdown still arrives
                     break
                 batch.append(nxt)
+            version = self.engine.version
             with self._lock:
                 self._in_flight += len(batch)
-                self._started += [(p.id, tag, self.engine.version) for p, tag, _ in batch]
-            groups = self._generate([p for p, _, _ in batch], item[1], item[2])
+                self._started += [Started(ticket, self.worker_id, version) for ticket, _, _ in batch]
+            groups = self._generate(batch, version)
             with self._lock:
                 self._in_flight -= len(batch)
                 self._outbox.extend(groups)
                 self._stats.groups += len(groups)
                 self._stats.failures += sum(g.error is not None for g in groups)
-                self._stats.tokens += sum(len(c.response_ids) for g in groups for c in g.completions)
+                self._stats.tokens += sum(g.tokens for g in groups)
                 self._stats.last_step = time.time()
 
     def _prompt_ids(self, problem: Problem) -> list[int]:
@@ -187,27 +193,36 @@ class RolloutWorker:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}")
         return ids
 
-    def _generate(self, problems: list[Problem], tag: str, n: int) -> list[ScoredGroup]:
-        """Groups in ``problems`` order; a bad prompt fails its own group only."""
+    def _params(self, ticket: Ticket, n: int) -> SamplingParams:
+        """The worker's sampling with this submission's n; evaluation needs no top-K log-probs."""
+        topk = 0 if isinstance(ticket, EvalTicket) else self.sampling.topk_logprobs
+        return dataclasses.replace(self.sampling, n=n, topk_logprobs=topk)
+
+    def _generate(self, batch: list[tuple[Ticket, Problem, int]], version: int) -> list[Group]:
+        """Groups in submission order; a bad prompt fails its own group only."""
         started = time.perf_counter()
-        out: dict[int, ScoredGroup] = {}
+        out: dict[int, Group] = {}
         prompts = {}
-        for i, p in enumerate(problems):
+        for i, (ticket, problem, _) in enumerate(batch):
             try:
-                prompts[i] = self._prompt_ids(p)
+                prompts[i] = self._prompt_ids(problem)
             except Exception as err:
-                out[i] = ScoredGroup(p, [], [], [], 0.0, error=str(err) if str(err) == "empty prompt" else f"{type(err).__name__}: {err}", tag=tag)
+                reason = str(err) if str(err) == "empty prompt" else f"{type(err).__name__}: {err}"
+                out[i] = Group(ticket, self.worker_id, (), version, 0.0, error=reason)
         if prompts:
+            ticket, _, n = batch[next(iter(prompts))]
+            params = self._params(ticket, n)
             try:
-                params = dataclasses.replace(self.sampling, n=n)
                 results = self.engine.generate(list(prompts.values()), params)
+            except Exception as err:  # the worker outlives a bad request; the controller sees why
+                seconds = time.perf_counter() - started
+                for i in prompts:
+                    out[i] = Group(batch[i][0], self.worker_id, (), version, seconds, error=f"{type(err).__name__}: {err}")
+            else:
                 seconds = (time.perf_counter() - started) / len(prompts)
                 for i, completions in zip(prompts, results):
-                    out[i] = self._score_group(problems[i], completions, seconds, tag)
-            except Exception as err:  # the worker outlives a bad request; the controller sees why
-                for i in prompts:
-                    out[i] = ScoredGroup(problems[i], [], [], [], time.perf_counter() - started, error=f"{type(err).__name__}: {err}", tag=tag)
-        return [out[i] for i in range(len(problems))]
+                    out[i] = self._score_group(batch[i][0], batch[i][1], completions, version, seconds, params.topk_logprobs)
+        return [out[i] for i in range(len(batch))]
 
     def _inject(self, completions: list[Completion]) -> list[Completion]:
         """Chaos: corrupt engine output on purpose (rates from ``chaos``)."""
@@ -215,19 +230,26 @@ class RolloutWorker:
         if rng.random() < self.chaos.get("nan_logp_rate", 0.0):
             completions = [dataclasses.replace(c, rollout_logp=torch.full_like(c.rollout_logp, float("nan"))) for c in completions]
         return [
-            dataclasses.replace(c, response_ids=c.response_ids[:0], rollout_logp=c.rollout_logp[:0], versions=c.versions[:0])
+            dataclasses.replace(c, response_ids=c.response_ids[:0], rollout_logp=c.rollout_logp[:0], versions=c.versions[:0],
+                                topk_ids=None if c.topk_ids is None else c.topk_ids[:0], topk_logp=None if c.topk_logp is None else c.topk_logp[:0])
             if rng.random() < self.chaos.get("empty_response_rate", 0.0) else c
             for c in completions
         ]
 
-    def _score_group(self, problem: Problem, completions: list[Completion], seconds: float, tag: str) -> ScoredGroup:
+    def _score_group(
+        self, ticket: Ticket, problem: Problem, completions: list[Completion], version: int, seconds: float, topk: int
+    ) -> Group:
         if self.chaos:
             completions = self._inject(completions)
-        if any(not torch.isfinite(c.rollout_logp).all() for c in completions):
-            return ScoredGroup(problem, [], [], [], seconds, error="engine returned NaN or inf behaviour log-probs", tag=tag)
+        for c in completions:
+            problem_ = completion_problem(c, topk)
+            if problem_ is not None:
+                return Group(ticket, self.worker_id, (), version, seconds, error=problem_)
+        if not any(len(c.response_ids) for c in completions):
+            return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
         texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-        rewards = [self._score(t, problem.ground_truth) for t in texts]
-        return ScoredGroup(problem, completions, texts, rewards, seconds, tag=tag)
+        samples = tuple(Sample(c, t, self._score(t, problem.ground_truth)) for c, t in zip(completions, texts))
+        return Group(ticket, self.worker_id, samples, version, seconds)
 
     def _score(self, text: str, truth: str) -> RewardResult:
         try:

@@ -13,7 +13,8 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
     torch.set_num_threads(1)
     from learner import distributed
     from learner.config import LearnerConfig, OptimizerConfig, ParallelConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.batch import TrainBatch
+    from learner.learner import Learner
     from learner.model import ModelArch
 
     data = torch.load(data_path, weights_only=True)

@@ -1,18 +1,15 @@
-"""Scored groups -> TrainBatch: token alignment, advantages, version lag, the decoupled anchor."""
+"""Group records -> TrainBatch (controller/batch.py): token alignment, advantages, version lag, top-K, filtering."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from controller.batch import build_train_batch, decoupled_anchor
+from controller.batch import BatchBuilder
 from objectives.config import AdvantageConfig
 from rollout.engine import Completion
+from rollout.records import Group, Sample, TrainTicket
 from rollout.rewards import RewardResult
-from rollout.tasks import Problem
-from rollout.worker import ScoredGroup
 
 
 def completion(prompt, response, logp, versions):
@@ -20,14 +17,17 @@ def completion(prompt, response, logp, versions):
 
 
 def group(pid, completions, scores):
-    rewards = [RewardResult(s, None, "correct" if s else "wrong") for s in scores]
-    return ScoredGroup(Problem(pid, "q", "1"), completions, ["t"] * len(completions), rewards, 0.1)
+    samples = tuple(Sample(c, "t", RewardResult(s, None, "correct" if s else "wrong")) for c, s in zip(completions, scores))
+    return Group(TrainTicket(0, pid), 0, samples, 0, 0.1)
 
 
 def test_rows_align_tokens_mu_advantages_and_lag():
     g1 = group("a", [completion([5, 6, 7], [8, 9], [-0.1, -0.2], [3, 4]), completion([5, 6, 7], [10], [-0.3], [4])], [1.0, 0.0])
     g2 = group("b", [completion([5], [11, 12, 13], [-1.0, -2.0, -3.0], [2, 2, 3]), completion([5], [], [], [])], [0.0, 1.0])
-    batch = build_train_batch([g1, g2], version=4, advantages=AdvantageConfig(estimator="dr_grpo"), pad_id=0)
+    built = BatchBuilder(AdvantageConfig(estimator="dr_grpo"), pad_id=0).build([g1, g2], version=4)
+    batch = built.train
+    assert batch.version == 4 and built.lags == (1, 2)  # a group's lag is its oldest token's
+    assert [built.metrics[f"staleness/token_lag_hist/bin_{i}"] for i in range(3)] == [2, 2, 2]
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0], [5, 11, 12, 13, 0], [5, 0, 0, 0, 0]]
     assert batch.response_mask.tolist() == [
         [False, False, False, True, True], [False, False, False, True, False],
@@ -43,16 +43,30 @@ def test_rows_align_tokens_mu_advantages_and_lag():
 def test_groups_of_different_sizes_are_rejected():
     g1 = group("a", [completion([1], [2], [-0.1], [0])], [1.0])
     g2 = group("b", [completion([1], [2], [-0.1], [0])] * 2, [1.0, 0.0])
-    with pytest.raises(ValueError, match="same non-zero number of completions"):
-        build_train_batch([g1, g2], 0, AdvantageConfig())
+    with pytest.raises(ValueError, match="same non-zero number of samples"):
+        BatchBuilder(AdvantageConfig()).build([g1, g2], 0)
 
 
-def test_decoupled_anchor_moves_mu_into_a_capped_behaviour_weight():
-    g = group("a", [completion([1], [2, 3], [-1.0, -2.0], [0, 0]), completion([1], [4, 5], [-0.5, -2.0], [0, 0])], [1.0, 0.0])
-    batch = build_train_batch([g], 0, AdvantageConfig(estimator="dr_grpo"))
-    proximal = torch.tensor([[0.0, -0.5, -2.0], [0.0, -0.5, 0.0]])  # pi_prox; position 0 is never scored
-    anchored, mean_w = decoupled_anchor(batch, proximal, cap=2.0)
-    assert torch.equal(anchored.rollout_logp, proximal)
-    w = torch.tensor([[0.0, math.exp(0.5), 1.0], [0.0, 1.0, 2.0]])  # exp(prox - mu), the last one (e^2) capped at 2
-    assert torch.allclose(anchored.advantages, batch.advantages * w)
-    assert mean_w == pytest.approx(float(w[:, 1:].mean()))
+def test_engine_top_k_travels_into_the_batch_aligned_with_its_tokens():
+    c = Completion(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.1, -0.2]), torch.tensor([0, 0]), "stop",
+                   topk_ids=torch.tensor([[7, 1], [8, 2]]), topk_logp=torch.tensor([[-0.1, -3.0], [-0.2, -4.0]]))
+    batch = BatchBuilder(AdvantageConfig(), topk=2).build([group("a", [c, c], [1.0, 0.0])], version=0).train
+    assert batch.topk == 2 and batch.rollout_topk_ids.shape == (2, 4, 2)
+    assert batch.rollout_topk_ids[0, 2:].tolist() == [[7, 1], [8, 2]] and batch.rollout_topk_ids[0, :2].abs().sum() == 0
+    assert batch.rollout_topk_logp[1, 3].tolist() == pytest.approx([-0.2, -4.0])
+    no_topk = group("b", [completion([5], [7], [-0.1], [0])] * 2, [1.0, 0.0])
+    with pytest.raises(ValueError, match="no engine top-2 log-probs"):
+        BatchBuilder(AdvantageConfig(), topk=2).build([no_topk], version=0)
+
+
+def test_zero_variance_groups_are_rejected_with_a_reason_only_when_filtering():
+    same = group("a", [completion([1], [2], [-0.1], [0])] * 2, [1.0, 1.0])
+    mixed = group("b", [completion([1], [2], [-0.1], [0])] * 2, [1.0, 0.0])
+    assert BatchBuilder(AdvantageConfig(filter_zero_variance=True)).rejects(same) == "all rewards 1"
+    assert BatchBuilder(AdvantageConfig(filter_zero_variance=True)).rejects(mixed) is None
+    assert BatchBuilder(AdvantageConfig(filter_zero_variance=False)).rejects(same) is None
+
+
+def test_a_group_without_samples_needs_a_reason():
+    with pytest.raises(ValueError, match="neither samples nor an error"):
+        Group(TrainTicket(0, "a"), 0, (), 0, 0.0)

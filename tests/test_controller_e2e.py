@@ -76,14 +76,16 @@ def test_resume_after_a_stop_continues_the_ledger(ray_local, tiny_chat_model, tm
 
 
 def test_sync_mode_with_the_decoupled_anchor_trains_on_policy(ray_local, tiny_chat_model, tmp_path):
-    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, anchor="decoupled", mini_batches=2)
-    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"at_start": False, "every": 0})})
+    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, mini_batches=2)
+    cfg = cfg.model_copy(update={
+        "eval": cfg.eval.model_copy(update={"at_start": False, "every": 0}), "learner": cfg.learner.model_copy(update={"anchor": "decoupled"}),
+    })
     train(cfg)
     steps = records(tmp_path / "run", "step")
     assert [s["version"] for s in steps] == [1, 2, 3]  # two updates per batch, one version
     assert all(s["staleness/lag_max"] == 0 and s["learner/updates"] == 2 for s in steps)
     # on-policy with fp32 on both sides: the behaviour weight proximal/mu is 1 up to float error
-    assert all(abs(s["controller/behaviour_weight_mean"] - 1.0) < 1e-3 for s in steps)
+    assert all(abs(s["learner/behaviour_weight_mean"] - 1.0) < 1e-3 for s in steps)
     assert all(s["staleness/lag_hist/bin_0"] == cfg.train.prompts_per_step for s in steps)
 
 

@@ -15,6 +15,7 @@ from controller.loop import Controller, latest_checkpoint
 from controller.simulation import SimulatedBackend
 from controller.staleness import StalenessViolation
 from controller.telemetry import Telemetry
+from rollout.records import TrainTicket
 from rollout.tasks import arithmetic_split
 
 
@@ -75,8 +76,18 @@ def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
     cfg = sim_config(tmp_path, max_staleness=1)
     ctl = Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 50), [], Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
     ctl.version = 5
+    backend = ctl.backend
+    backend._serving[0] = 2  # the worker still serves version 2
+    problem = next(iter(ctl.problems.values()))
+    backend.submit(0, TrainTicket(0, problem.id), problem, 4)
+    groups = []
+    while not groups:
+        groups = backend.wait().groups
+    (group,) = groups
+    batch = ctl.builder.build([group], ctl.version)
+    assert batch.lags == (3,) and int(batch.train.version_lag[batch.train.response_mask].max()) == 3
     with pytest.raises(StalenessViolation, match="3 versions old"):
-        ctl.staleness.check(2)
+        ctl.staleness.check(batch.lags[0])
 
 
 def _controller(cfg, tmp_path):
@@ -158,5 +169,5 @@ def test_worker_crashes_lose_no_prompt_and_count_none_twice(tmp_path, seed):
 
 def test_a_task_without_signal_stops_with_the_reason(tmp_path):
     cfg = sim_config(tmp_path, workers=4, steps=10, max_filtered_in_a_row=300, sim={"accuracy": 0.0})
-    with pytest.raises(RuntimeError, match="300 groups in a row had all-equal rewards"):
+    with pytest.raises(RuntimeError, match=r"300 groups in a row were filtered \(last: all rewards 0\)"):
         train(cfg)

@@ -39,6 +39,8 @@ def test_metric_keys_map_to_conventional_families():
     assert series("objective/masked_frac_pos_adv") == ("drpo_objective_masked_ratio_pos_adv", {})
     assert series("staleness/token_lag_hist/bin_3") == ("drpo_staleness_token_age_tokens", {"lag": "3"})
     assert series("learner/seconds") == ("drpo_learner_step_duration_seconds", {})
+    assert series("gap/proximal/abs_shift_p99") == ("drpo_gap_proximal_abs_shift_p99", {})  # pi vs pi_prox: not the gap to mu
+    assert series("learner/behaviour_weight_capped_frac") == ("drpo_learner_behaviour_weight_capped_ratio", {})
     for name, family in CATALOG.items():
         assert name == family.name and name.startswith("drpo_") and family.kind in ("gauge", "counter")
 

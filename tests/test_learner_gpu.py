@@ -13,7 +13,8 @@ def test_gpu_learner_steps_with_distributed_optimizer_and_matches_transformers()
     from learner import bridge, distributed
     from learner import model as modeling
     from learner.config import LearnerConfig, OptimizerConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.batch import TrainBatch
+    from learner.learner import Learner
     from learner.optim import MegatronDistributedAdam
 
     cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3), micro_batch_size=2)

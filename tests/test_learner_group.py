@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner import publish
 from learner.config import LearnerConfig, OptimizerConfig, ParallelConfig
-from learner.learner import TrainBatch
+from learner.batch import TrainBatch
 
 pytestmark = pytest.mark.ray
 

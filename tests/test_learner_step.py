@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from learner import bridge, checkpoint, publish
 from learner import model as modeling
 from learner.config import LearnerConfig, OptimizerConfig
-from learner.learner import Learner, TrainBatch
+from learner.batch import TrainBatch
+from learner.learner import Learner
 from objectives.config import DRPOConfig
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -71,3 +71,21 @@ def test_bad_shapes_and_temperature_are_rejected():
         logprobs_from_hidden(h, w, torch.zeros(4, dtype=torch.long), temperature=0.0)
     with pytest.raises(ValueError, match="hidden size"):
         logprobs_from_hidden(h, torch.randn(20, 7), torch.zeros(4, dtype=torch.long))
+
+
+def test_log_probs_at_given_ids_equal_the_naive_ones_on_both_paths():
+    """Top-K DPPO needs pi on the engine's ids, which are not the learner's own top-K."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 5_000
+    hidden = torch.randn(2, 7, 16, generator=g)
+    weight = 0.3 * torch.randn(vocab, 16, generator=g)
+    targets = torch.randint(0, vocab, (2, 7), generator=g)
+    ids = torch.randint(0, vocab, (2, 7, 6), generator=g)
+    naive = naive_logprobs(hidden @ weight.t(), targets, 0.8, ids=ids, dtype=torch.float64)
+    from_hidden = logprobs_from_hidden(hidden, weight, targets, 0.8, ids=ids, max_chunk_elements=3 * vocab)
+    from_logits = logprobs_from_logits(hidden @ weight.t(), targets, 0.8, ids=ids, max_chunk_elements=3 * vocab)
+    for got in (from_hidden, from_logits):
+        assert got.ids_logp.shape == (2, 7, 6) and not got.ids_logp.requires_grad
+        torch.testing.assert_close(got.ids_logp.double(), naive.ids_logp, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="ids shape"):
+        logprobs_from_hidden(hidden, weight, targets, ids=ids[0])

@@ -27,14 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):
-    """A 6-step async run with 1 s scrapes; returns (prometheus, a time at which the run was live)."""
+    """A 6-step async run with the decoupled anchor (so the dashboards' pi-vs-pi_prox panels have data
+    too) and 1 s scrapes; returns (prometheus, a time at which the run was live)."""
     tmp = tmp_path_factory.mktemp("observed")
     metrics_port = free_port()
     prom = Prometheus(tmp, f"127.0.0.1:{metrics_port}", free_port())
     cfg = run_config(tmp, tiny_chat_model, steps=6)
     cfg = cfg.model_copy(update={
         "metrics": cfg.metrics.model_copy(update={"port": metrics_port, "linger_seconds": 4.0}),
-        "eval": cfg.eval.model_copy(update={"every": 3}),
+        "eval": cfg.eval.model_copy(update={"every": 3}), "learner": cfg.learner.model_copy(update={"anchor": "decoupled"}),
     })
     try:
         train(cfg)

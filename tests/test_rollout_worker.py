@@ -1,4 +1,4 @@
-"""A RolloutWorker on a local Ray cluster produces scored groups with the real model."""
+"""A RolloutWorker on a local Ray cluster produces Group records with the real model."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from learner import publish
+from rollout.records import EvalTicket, TrainTicket
 from rollout.tasks import Problem, arithmetic_split
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -16,25 +17,31 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
 
     ray = ray_local
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-        str(smollm2_folder), {"n": 3, "max_new_tokens": 12, "temperature": 1.0, "seed": 0}, "literal"
+        str(smollm2_folder), {"n": 3, "max_new_tokens": 12, "temperature": 1.0, "seed": 0, "topk_logprobs": 4}, "literal", worker_id=7
     )
     problems = arithmetic_split("test", 2) + [Problem("empty", "", "0")]
-    ray.get(worker.submit.remote(problems))
+    tickets = [TrainTicket(0, p.id) for p in problems]
+    for t, p in zip(tickets, problems):
+        ray.get(worker.submit.remote(t, p))
     groups = ray.get(worker.collect.remote(min_groups=3, timeout_s=240))
-    assert [g.problem.id for g in groups] == [p.id for p in problems]
+    assert [g.ticket for g in groups] == tickets and all(g.worker == 7 and g.started_version == 0 for g in groups)
     for g in groups[:2]:
-        assert g.error is None and len(g.completions) == 3 and len(g.texts) == 3
-        assert all(r.score in (0.0, 1.0) for r in g.rewards)
-        assert all(r.reason in ("correct", "wrong", "no_answer", "not_literal") for r in g.rewards)
-        assert all((c.versions == 0).all() and len(c.rollout_logp) == len(c.response_ids) for c in g.completions)
+        assert g.error is None and len(g.samples) == 3 and all(s.text for s in g.samples)
+        assert all(s.reward.score in (0.0, 1.0) for s in g.samples) and g.scores == tuple(s.reward.score for s in g.samples)
+        assert all(s.reward.reason in ("correct", "wrong", "no_answer", "not_literal") for s in g.samples)
+        for c in (s.completion for s in g.samples):
+            assert (c.versions == 0).all() and len(c.rollout_logp) == len(c.response_ids)
+            assert c.topk_ids.shape == (len(c.response_ids), 4)  # training groups carry the engine's top-K
+        assert g.oldest_version == 0 and g.tokens == sum(len(s.completion.response_ids) for s in g.samples)
     beat = ray.get(worker.heartbeat.remote())
     assert beat["alive"] and beat["groups"] == 3 and beat["tokens"] > 0 and beat["queue_depth"] == 0
     # a bad request comes back as a group with its reason, and the worker lives on
-    assert groups[2].error == "empty prompt" and groups[2].completions == [] and beat["failures"] == 1
+    assert groups[2].error == "empty prompt" and groups[2].samples == () and beat["failures"] == 1
     state = {"model.norm.weight": torch.ones(576) * 1.01}
     refs = [ray.put(b) for b in publish.buckets(state.items(), version=4)]
     assert ray.get(worker.update_weights.remote(refs)) == 4
-    ray.get(worker.submit.remote(problems[:1]))
+    ray.get(worker.submit.remote(EvalTicket(0, problems[0].id), problems[0]))
     (group,) = ray.get(worker.collect.remote(min_groups=1, timeout_s=120))
-    assert all((c.versions == 4).all() for c in group.completions)
+    assert group.ticket == EvalTicket(0, problems[0].id) and group.started_version <= group.oldest_version == 4
+    assert all((s.completion.versions == 4).all() and s.completion.topk_ids is None for s in group.samples)  # eval: no top-K
     assert ray.get(worker.heartbeat.remote())["version"] == 4

@@ -59,7 +59,8 @@ def _step_job(spec: dict) -> dict:
 def _drpo_step(folder):
     from learner import distributed
     from learner.config import LearnerConfig, OptimizerConfig
-    from learner.learner import Learner, TrainBatch
+    from learner.batch import TrainBatch
+    from learner.learner import Learner
 
     cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-6), micro_batch_size=4, compute_entropy=False)
     distributed.init(cfg.parallel, 0, 1, master_port=distributed.free_port())

@@ -1,0 +1,119 @@
+"""One rollout batch through the Learner on one gloo rank: metrics merged by kind across
+mini-batches, the decoupled anchor computed by the learner itself, and pi on the engine's top-K ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import objectives
+from learner import bridge
+from learner import model as modeling
+from learner.batch import TrainBatch
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from learner.metrics import MetricAccumulator
+from objectives.config import DPPOTopKTVConfig, DRPOConfig
+from objectives.diagnostics import gap_metrics
+from objectives.dppo import topk_tv
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+FROZEN = OptimizerConfig(lr=1e-30, grad_clip=None)
+"""An update that does not move the weights: metrics of later mini-batches are checkable independently."""
+
+
+def _tiny(cfg: LearnerConfig) -> tuple[Learner, LlamaForCausalLM]:
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    arch = modeling.ModelArch.from_hf_config(hf.config.to_dict())
+    return Learner(cfg, arch, bridge.hf_to_megatron(hf.state_dict(), arch)), hf
+
+
+def _reference_logp(hf: LlamaForCausalLM, ids: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+    """log pi of each token (or of the ids ``at`` [N, S, K]) from transformers, aligned with ids."""
+    with torch.no_grad():
+        logq = torch.log_softmax(hf(ids).logits.double(), -1)[:, :-1]
+    picked = logq.gather(-1, ids[:, 1:, None]).squeeze(-1) if at is None else logq.gather(-1, at[:, 1:])
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1).float()
+
+
+def _batch(hf: LlamaForCausalLM, noise: float, seed: int = 1) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (6, 14), generator=g)
+    mask = torch.zeros(6, 14, dtype=torch.bool)
+    mask[:, 6:] = True
+    mask[0, 10:] = False
+    rollout = _reference_logp(hf, ids) + noise * torch.randn(6, 14, generator=g)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None].expand(6, 14).contiguous()
+    return TrainBatch(ids, mask, rollout.clamp(max=0.0), adv)
+
+
+def test_two_mini_batches_merge_maxima_histograms_and_means_by_kind(megatron_single_rank):
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.5), optimizer=FROZEN, micro_batch_size=2)
+    learner, hf = _tiny(cfg)
+    batch = _batch(hf, noise=0.5)
+    halves = batch.split(2)
+    got = learner.train(halves)
+    assert got.values["learner/updates"] == 2 and got.version == 1 and got.step == 2
+    per_half = []
+    for half in halves:
+        policy = _reference_logp(hf, half.input_ids)
+        acc = MetricAccumulator()
+        acc.add("gap/", gap_metrics(policy, half.rollout_logp, half.response_mask, 0.5))
+        inputs = objectives.ObjectiveInputs(policy, half.rollout_logp, half.advantages, half.response_mask)
+        acc.add("objective/", objectives.compute(cfg.objective, inputs).metrics)
+        per_half.append(acc.reduce())
+    a, b = per_half
+    assert a["gap/abs_shift_max"] != pytest.approx(b["gap/abs_shift_max"], abs=1e-3)  # the test can tell max from mean
+    assert got.values["gap/abs_shift_max"] == pytest.approx(max(a["gap/abs_shift_max"], b["gap/abs_shift_max"]), abs=1e-5)
+    assert got.values["gap/ratio_max"] == pytest.approx(max(a["gap/ratio_max"], b["gap/ratio_max"]), rel=1e-4)
+    bins = [k for k in got.values if k.startswith("objective/weight_hist/bin_")]
+    assert bins and all(got.values[k] == a[k] + b[k] for k in bins)
+    assert sum(got.values[k] for k in bins) == int(batch.response_mask.sum())  # every token counted once
+    na, nb = (int(h.response_mask.sum()) for h in halves)
+    mean = (a["gap/abs_shift_mean"] * na + b["gap/abs_shift_mean"] * nb) / (na + nb)
+    assert got.values["gap/abs_shift_mean"] == pytest.approx(mean, abs=1e-6)
+
+
+def test_decoupled_anchor_is_computed_by_the_learner_and_gap_stays_pi_against_mu(megatron_single_rank):
+    cap = 1.5
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.02), optimizer=FROZEN, anchor="decoupled", behaviour_weight_cap=cap)
+    learner, hf = _tiny(cfg)
+    batch = _batch(hf, noise=0.4)
+    got = learner.train([dataclasses.replace(batch, version=0)]).values
+    policy, mask = _reference_logp(hf, batch.input_ids), batch.response_mask
+    weight = (policy - batch.rollout_logp).exp().clamp(max=cap)
+    assert got["learner/behaviour_weight_mean"] == pytest.approx(float(weight[mask].mean()), rel=1e-4)
+    assert 0 < got["learner/behaviour_weight_capped_frac"] < 1
+    shift = (policy.exp() - batch.rollout_logp.exp()).abs()[mask]
+    assert got["gap/abs_shift_mean"] == pytest.approx(float(shift.mean()), abs=1e-5) and got["gap/abs_shift_mean"] > 1e-3
+    assert got["gap/proximal/abs_shift_mean"] < 1e-7  # one update: pi is still pi_prox
+    # the objective is anchored at pi_prox, not mu: DRPO's weight w is exactly 1 at pi = pi_prox
+    assert got["objective/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    bypass, _ = _tiny(cfg.model_copy(update={"anchor": "bypass"}))
+    assert abs(bypass.train([batch]).values["objective/weight_mean"] - 1.0) > 0.01
+    with pytest.raises(RuntimeError, match="consumed at version 0 reached the learner at version 1"):
+        learner.train([dataclasses.replace(batch, version=0)])
+
+
+def test_top_k_dppo_uses_pi_on_the_engine_ids(megatron_single_rank):
+    cfg = LearnerConfig(objective=DPPOTopKTVConfig(delta=0.05, k=4), optimizer=FROZEN)
+    learner, hf = _tiny(cfg)
+    batch = _batch(hf, noise=0.0)
+    g = torch.Generator().manual_seed(3)
+    engine_ids = torch.randint(0, TINY["vocab_size"], (6, 14, 4), generator=g)  # not the learner's own top-K
+    engine_logp = (_reference_logp(hf, batch.input_ids, engine_ids) + 0.7 * torch.randn(6, 14, 4, generator=g)).clamp(max=-0.05)
+    batch = dataclasses.replace(batch, rollout_topk_ids=engine_ids, rollout_topk_logp=engine_logp)
+    stats = learner.compute_logprobs(batch.input_ids, engine_ids)
+    reference = _reference_logp(hf, batch.input_ids, engine_ids)
+    torch.testing.assert_close(stats.ids_logp[:, 1:], reference[:, 1:], atol=1e-4, rtol=0)
+    got = learner.train([batch]).values
+    tv = topk_tv(engine_logp, reference)[batch.response_mask]
+    assert got["objective/divergence_mean"] == pytest.approx(float(tv.mean()), abs=1e-4)
+    assert 0 < got["objective/masked_frac"] < 1 and math.isfinite(got["learner/entropy_mean"])
+    with pytest.raises(ValueError, match="needs rollout_topk_logp"):
+        learner.train([dataclasses.replace(batch, rollout_topk_ids=None, rollout_topk_logp=None)])
