@@ -15,6 +15,7 @@ from controller.loop import Controller, latest_checkpoint
 from controller.simulation import SimulatedBackend
 from controller.staleness import StalenessViolation
 from controller.telemetry import Telemetry
+from objectives.config import DPPOTopKTVConfig
 from rollout.records import TrainTicket
 from rollout.tasks import arithmetic_split
 
@@ -171,3 +172,18 @@ def test_a_task_without_signal_stops_with_the_reason(tmp_path):
     cfg = sim_config(tmp_path, workers=4, steps=10, max_filtered_in_a_row=300, sim={"accuracy": 0.0})
     with pytest.raises(RuntimeError, match=r"300 groups in a row were filtered \(last: all rewards 0\)"):
         train(cfg)
+
+
+def test_simulated_runs_build_their_batches_with_the_controllers_batch_builder(tmp_path):
+    """The simulated backend returns the same Group records as the rollout workers, so every step's
+    TrainBatch comes out of the Controller's BatchBuilder (top-K included when the objective needs it)."""
+    cfg = sim_config(tmp_path, workers=6, steps=8, max_staleness=2, sim={"tokens_per_sample": 5, "publish_seconds": 0.5})
+    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"objective": DPPOTopKTVConfig(k=3)})})
+    result = train(cfg)
+    assert result.steps == 8
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens = cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * 5
+    for s in (s for s in steps if s["kind"] == "step"):
+        hist = [s[f"staleness/token_lag_hist/bin_{i}"] for i in range(8)]
+        assert sum(hist) == s["learner/tokens"] == tokens  # the batch the simulated learner trained on
+        assert max(i for i, c in enumerate(hist) if c) == s["staleness/lag_max"] <= 2  # one lag, token and group views agree
