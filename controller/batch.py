@@ -65,7 +65,7 @@ class BatchBuilder:
             mask[i, p : p + r] = True
             rollout_logp[i, p : p + r] = c.rollout_logp.float()
             lag[i, p : p + r] = version - c.versions
-            if self.topk:
+            if self.topk and r:
                 if c.topk_ids is None or c.topk_ids.shape != (r, self.topk):
                     raise ValueError(f"a sample has no engine top-{self.topk} log-probs (got {None if c.topk_ids is None else tuple(c.topk_ids.shape)})")
                 top_ids[i, p : p + r], top_logp[i, p : p + r] = c.topk_ids, c.topk_logp.float()

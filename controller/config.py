@@ -8,6 +8,7 @@ Resources (how many CPUs/GPUs each actor takes) sit beside the component that us
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -225,7 +226,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     return validate(tree, source=str(path))
 
 
+MOVED = {"train.anchor": "learner.anchor", "train.behaviour_weight_cap": "learner.behaviour_weight_cap"}
+"""Fields that moved (old dotted name -> new): config files written before the move still load,
+with a warning, so older run folders resume."""
+
+
+def _migrate(tree: dict, source: str) -> None:
+    for old, new in MOVED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = tree.get(old_section)
+        if isinstance(section, dict) and old_key in section:
+            value = section.pop(old_key)
+            target = tree.setdefault(new_section, {})
+            if isinstance(target, dict) and new_key in target and target[new_key] != value:
+                raise ConfigError(f"{source}: {old} ({value!r}) and {new} ({target[new_key]!r}) disagree; {old} moved to {new}")
+            if isinstance(target, dict):
+                target[new_key] = value
+            warnings.warn(f"{source}: {old} moved to {new}; read as {new}={value!r}", FutureWarning, stacklevel=3)
+
+
 def validate(tree: dict, source: str = "config") -> RunConfig:
+    _migrate(tree, source)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:

@@ -61,6 +61,10 @@ class Controller:
         self.problems = {p.id: p for p in train}
         self.test = test
         self.test_problems = {p.id: p for p in test}
+        if len(self.test_problems) != len(test):
+            seen = [p.id for p in test]
+            dup = sorted({i for i in seen if seen.count(i) > 1})
+            raise ValueError(f"held-out problem ids are not unique ({', '.join(dup[:5])}); evaluation results are matched by id")
         self.step = self.version = 0
         self.batch_size = cfg.train.prompts_per_step
         self.staleness = StalenessManager(

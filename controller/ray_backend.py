@@ -27,6 +27,8 @@ from rollout.worker import RolloutWorker
 
 PROBE_SECONDS = 5.0
 """How often wait() wakes to probe dead workers when nothing else happens."""
+VLLM_DEFAULT_MAX_LOGPROBS = 20
+"""vLLM refuses requests for more log-probs than its engine's max_logprobs (20 unless raised)."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
@@ -52,6 +54,8 @@ class RayBackend(Backend):
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
+        if ro.engine == "vllm" and sampling["topk_logprobs"] > VLLM_DEFAULT_MAX_LOGPROBS:
+            engine_kwargs.setdefault("max_logprobs", sampling["topk_logprobs"])
         actor = ray.remote(RolloutWorker)
         self.actors = [
             actor.options(

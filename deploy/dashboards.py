@@ -25,7 +25,7 @@ DASHBOARDS = {
             ('drpo_gap_ratio_p01{lag="all"}', "p01"), ('drpo_gap_ratio_p50{lag="all"}', "p50"), ('drpo_gap_ratio_p99{lag="all"}', "p99"),
         ], "none"),
         ("fraction of tokens beyond δ", [("drpo_gap_beyond_delta_ratio", LAG)], "percentunit"),
-        ("decoupled anchor only: |π−π_prox| (the step's own drift, not the gap to μ)", [
+        ("|π−π_prox|: the batch's own drift over its updates, not the gap to μ (decoupled or mini-batches > 1)", [
             ("drpo_gap_proximal_abs_shift_mean", "mean"), ("drpo_gap_proximal_abs_shift_max", "max"),
         ], "none"),
         ("decoupled anchor only: behaviour weight min(π_prox/μ, cap)", [

@@ -165,13 +165,16 @@ class Learner:
         """One rollout batch: an optimizer update per mini-batch, then the version advances once
         (the policy version counts rollout batches, what the staleness bound is stated in).
 
-        Decoupled anchor: every mini-batch's proximal log-probs come first, from the weights before
-        any of this batch's updates (AReaL, arXiv 2505.24298)."""
+        The log-probs at consumption (``proximal_logp``, the weights before any of this batch's
+        updates) come first for every mini-batch when the decoupled anchor needs them (AReaL, arXiv
+        2505.24298) or when there is more than one mini-batch: gap/* must be pi at consumption
+        against mu, not include the drift of this batch's own earlier updates (which is reported
+        apart, as gap/proximal/*). One mini-batch needs no extra pass: its update's pi is it."""
         started = time.perf_counter()
         for mb in mini_batches:
             if mb.version is not None and mb.version != self.version:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
-        if self.cfg.anchor == "decoupled":
+        if self.cfg.anchor == "decoupled" or len(mini_batches) > 1:
             mini_batches = [self._with_proximal(mb) for mb in mini_batches]
         acc = MetricAccumulator()
         losses, norms, tokens = [], [], 0
@@ -198,9 +201,12 @@ class Learner:
 
     def _with_proximal(self, batch: TrainBatch) -> TrainBatch:
         """The batch with the learner's log-probs now (before updating on it) as proximal_logp,
-        and on the engine's top-K ids as proximal_topk_logp."""
-        stats = self.compute_logprobs(batch.input_ids, batch.rollout_topk_ids)
-        return replace(batch, proximal_logp=stats.logp.cpu(), proximal_topk_logp=None if stats.ids_logp is None else stats.ids_logp.cpu())
+        and on the engine's top-K ids as proximal_topk_logp; micro-batch by micro-batch, so the
+        pass needs no more memory than a training forward."""
+        parts = [self.compute_logprobs(mb.input_ids, mb.rollout_topk_ids) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
+        proximal = torch.cat([p.logp for p in parts]).cpu()
+        topk = None if parts[0].ids_logp is None else torch.cat([p.ids_logp for p in parts]).cpu()
+        return replace(batch, proximal_logp=proximal, proximal_topk_logp=topk)
 
     def _objective_inputs(self, mb: TrainBatch, stats: TokenLogProbs) -> tuple[objectives.ObjectiveInputs, dict[str, Metric]]:
         """What the objective sees. bypass: mu anchors it. decoupled: proximal_logp anchors it and mu
@@ -249,12 +255,14 @@ class Learner:
 
     @staticmethod
     def _gap_metrics(acc: MetricAccumulator, stats: TokenLogProbs, mb: TrainBatch, delta: float | None) -> None:
-        """gap/* is always pi against mu from the engine (split by lag when the batch has lags);
-        in decoupled mode gap/proximal/* adds pi against the step's own proximal_logp."""
+        """gap/* is always pi at consumption against mu from the engine (split by lag when the batch
+        has lags): proximal_logp where the step computed it, else the update's own pi (one
+        mini-batch: the same weights). gap/proximal/* adds pi now against pi at consumption."""
         logp, mask = stats.logp.detach(), mb.response_mask
-        acc.add("gap/", gap_metrics(logp, mb.rollout_logp, mask, delta, entropy=stats.entropy))
+        consumed = logp if mb.proximal_logp is None else mb.proximal_logp
+        acc.add("gap/", gap_metrics(consumed, mb.rollout_logp, mask, delta, entropy=stats.entropy))
         if mb.version_lag is not None:
-            by_lag = gap_metrics_by_lag(logp, mb.rollout_logp, mb.version_lag, mask, delta)
+            by_lag = gap_metrics_by_lag(consumed, mb.rollout_logp, mb.version_lag, mask, delta)
             acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
         if mb.proximal_logp is not None:
             acc.add("gap/proximal/", gap_metrics(logp, mb.proximal_logp, mask, delta))

@@ -51,7 +51,7 @@ def completion_problem(c: Completion, topk: int) -> str | None:
         return f"engine returned {len(c.rollout_logp)} log-probs and {len(c.versions)} versions for {length} tokens"
     if not torch.isfinite(c.rollout_logp).all():
         return "engine returned NaN or inf behaviour log-probs"
-    if topk:
+    if topk and length:  # an empty response has nothing to report (engines may give None)
         if c.topk_ids is None or c.topk_logp is None:
             return f"engine returned no top-{topk} log-probs although they were asked for"
         if tuple(c.topk_ids.shape) != (length, topk) or tuple(c.topk_logp.shape) != (length, topk):

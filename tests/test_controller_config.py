@@ -82,3 +82,14 @@ def test_unreadable_or_malformed_files_are_named(tmp_path):
 def test_cli_reports_a_bad_config_and_exits_2(capsys):
     assert main(["train", "--set", "train.prompts_per_step=zero"]) == 2
     assert "train.prompts_per_step" in capsys.readouterr().err
+
+
+def test_a_config_written_before_the_anchor_moved_to_the_learner_still_loads(tmp_path):
+    """Run folders keep the config they were started with; --resume must read the old field names."""
+    old = tmp_path / "config.yaml"
+    old.write_text("train: {steps: 3, anchor: decoupled, behaviour_weight_cap: 2.0}\n")
+    with pytest.warns(FutureWarning, match=r"train\.\w+ moved to learner\."):
+        cfg = load_config(old)
+    assert (cfg.learner.anchor, cfg.learner.behaviour_weight_cap, cfg.train.steps) == ("decoupled", 2.0, 3)
+    with pytest.raises(ConfigError, match="disagree"):
+        load_config(old, ["learner.anchor=bypass"])

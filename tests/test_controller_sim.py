@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -187,3 +188,11 @@ def test_simulated_runs_build_their_batches_with_the_controllers_batch_builder(t
         hist = [s[f"staleness/token_lag_hist/bin_{i}"] for i in range(8)]
         assert sum(hist) == s["learner/tokens"] == tokens  # the batch the simulated learner trained on
         assert max(i for i, c in enumerate(hist) if c) == s["staleness/lag_max"] <= 2  # one lag, token and group views agree
+
+
+def test_held_out_problems_with_the_same_id_are_refused_before_anything_runs(tmp_path):
+    cfg = sim_config(tmp_path)
+    test = arithmetic_split("test", 3)
+    test[2] = dataclasses.replace(test[2], id=test[0].id)
+    with pytest.raises(ValueError, match=f"held-out problem ids are not unique \\({test[0].id}\\)"):
+        Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 20), test, None)

@@ -23,7 +23,7 @@ from objectives.dppo import topk_tv
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FROZEN = OptimizerConfig(lr=1e-30, grad_clip=None)
-"""An update that does not move the weights: metrics of later mini-batches are checkable independently."""
+"""An update that does not move the weights: what the step reports is checkable against the start."""
 
 
 def _tiny(cfg: LearnerConfig) -> tuple[Learner, LlamaForCausalLM]:
@@ -53,30 +53,36 @@ def _batch(hf: LlamaForCausalLM, noise: float, seed: int = 1) -> TrainBatch:
 
 
 def test_two_mini_batches_merge_maxima_histograms_and_means_by_kind(megatron_single_rank):
-    cfg = LearnerConfig(objective=DRPOConfig(delta=0.5), optimizer=FROZEN, micro_batch_size=2)
+    """A real update between the two mini-batches: gap/* is still pi at consumption against mu for
+    both halves, the second half's objective sees the weights after the first update, and every
+    metric is the merge of the two halves' by its kind."""
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.05), optimizer=OptimizerConfig(lr=1e-2, grad_clip=None), micro_batch_size=2)
     learner, hf = _tiny(cfg)
     batch = _batch(hf, noise=0.5)
     halves = batch.split(2)
-    got = learner.train(halves)
-    assert got.values["learner/updates"] == 2 and got.version == 1 and got.step == 2
+    got = learner.train(halves).values
+    assert got["learner/updates"] == 2
+    after_first, _ = _tiny(cfg)  # the same learner, stopped after the first update
+    after_first.train([halves[0]])
     per_half = []
-    for half in halves:
-        policy = _reference_logp(hf, half.input_ids)
+    for half, policy in ((halves[0], _reference_logp(hf, halves[0].input_ids)), (halves[1], after_first.compute_logprobs(halves[1].input_ids).logp)):
         acc = MetricAccumulator()
-        acc.add("gap/", gap_metrics(policy, half.rollout_logp, half.response_mask, 0.5))
+        acc.add("gap/", gap_metrics(_reference_logp(hf, half.input_ids), half.rollout_logp, half.response_mask, 0.05))
+        acc.add("gap/proximal/", gap_metrics(policy, _reference_logp(hf, half.input_ids), half.response_mask, 0.05))
         inputs = objectives.ObjectiveInputs(policy, half.rollout_logp, half.advantages, half.response_mask)
         acc.add("objective/", objectives.compute(cfg.objective, inputs).metrics)
         per_half.append(acc.reduce())
     a, b = per_half
+    assert b["gap/proximal/abs_shift_max"] > 1e-4 and a["gap/proximal/abs_shift_max"] < 1e-6  # the first update moved pi
     assert a["gap/abs_shift_max"] != pytest.approx(b["gap/abs_shift_max"], abs=1e-3)  # the test can tell max from mean
-    assert got.values["gap/abs_shift_max"] == pytest.approx(max(a["gap/abs_shift_max"], b["gap/abs_shift_max"]), abs=1e-5)
-    assert got.values["gap/ratio_max"] == pytest.approx(max(a["gap/ratio_max"], b["gap/ratio_max"]), rel=1e-4)
-    bins = [k for k in got.values if k.startswith("objective/weight_hist/bin_")]
-    assert bins and all(got.values[k] == a[k] + b[k] for k in bins)
-    assert sum(got.values[k] for k in bins) == int(batch.response_mask.sum())  # every token counted once
+    for key in ("gap/abs_shift_max", "gap/ratio_max", "gap/proximal/abs_shift_max"):
+        assert got[key] == pytest.approx(max(a[key], b[key]), rel=1e-4, abs=1e-6), key
+    bins = [k for k in got if k.startswith("objective/weight_hist/bin_")]
+    assert bins and all(got[k] == a[k] + b[k] for k in bins)
+    assert sum(got[k] for k in bins) == int(batch.response_mask.sum())  # every token counted once
     na, nb = (int(h.response_mask.sum()) for h in halves)
-    mean = (a["gap/abs_shift_mean"] * na + b["gap/abs_shift_mean"] * nb) / (na + nb)
-    assert got.values["gap/abs_shift_mean"] == pytest.approx(mean, abs=1e-6)
+    for key in ("gap/abs_shift_mean", "objective/weight_mean"):
+        assert got[key] == pytest.approx((a[key] * na + b[key] * nb) / (na + nb), abs=1e-5), key
 
 
 def test_decoupled_anchor_is_computed_by_the_learner_and_gap_stays_pi_against_mu(megatron_single_rank):
