@@ -170,7 +170,9 @@ class RunConfig(_Config):
             )
         if self.train.prompts_per_step * self.rollout.samples_per_prompt % (self.train.mini_batches * self.learner.parallel.data):
             raise ValueError(
-                "train.prompts_per_step * rollout.samples_per_prompt must split evenly into train.mini_batches x learner.parallel.data"
+                f"train.prompts_per_step * rollout.samples_per_prompt ({self.train.prompts_per_step} x {self.rollout.samples_per_prompt} "
+                f"sequences) must split evenly into train.mini_batches x learner.parallel.data ({self.train.mini_batches} x "
+                f"{self.learner.parallel.data})"
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")
@@ -221,9 +223,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config {path} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
+    _migrate(tree, str(path))
     for key, value in parse_overrides(list(overrides)):
+        if key in MOVED:
+            warnings.warn(f"--set {key}: {key} moved to {MOVED[key]}; read as {MOVED[key]}={value!r}", FutureWarning, stacklevel=2)
+            key = MOVED[key]
         _set_path(tree, key, value)
-    return validate(tree, source=str(path))
+    return validate(tree, source=f"{path} with the --set overrides" if overrides else str(path))
 
 
 MOVED = {"train.anchor": "learner.anchor", "train.behaviour_weight_cap": "learner.behaviour_weight_cap"}

@@ -53,6 +53,8 @@ CATALOG: dict[str, Family] = {
     "drpo_objective_masked_ratio_pos_adv": Family("drpo_objective_masked_ratio_pos_adv", "gauge", "DPPO: masked fraction among A > 0 tokens"),
     "drpo_objective_masked_ratio_nonpos_adv": Family("drpo_objective_masked_ratio_nonpos_adv", "gauge", "DPPO: masked fraction among A <= 0 tokens"),
     "drpo_objective_clip_ratio": Family("drpo_objective_clip_ratio", "gauge", "PPO: fraction of tokens clipped"),
+    "drpo_objective_divergence_mean": Family("drpo_objective_divergence_mean", "gauge", "DPPO: mean divergence the trust region is on (binary or top-K TV/KL)"),
+    "drpo_objective_is_truncated_ratio": Family("drpo_objective_is_truncated_ratio", "gauge", "DPPO: fraction of tokens whose importance weight min(r, C) is truncated"),
     "drpo_staleness_group_lag_groups": Family("drpo_staleness_group_lag_groups", "gauge", "Groups in the last step per version lag of their oldest token (label lag)"),
     "drpo_staleness_token_age_tokens": Family("drpo_staleness_token_age_tokens", "gauge", "Tokens in the last step per version lag (label lag)"),
     "drpo_staleness_lag_mean": Family("drpo_staleness_lag_mean", "gauge", "Mean version lag of the last step's groups"),

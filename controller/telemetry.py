@@ -129,18 +129,33 @@ class Telemetry:
         line = (
             f"step {r['step']}/{self.total_steps} [{'#' * done}{'.' * (width - done)}] "
             f"reward {r['reward/mean']:.3f} acc {r['reward/accuracy']:.3f} "
-            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} corrective {r.get('objective/corrective_frac', math.nan):.4f} "
+            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} {self._objective_headline(r)} "
             f"staleness {r['staleness/lag_mean']:.2f}"
         )
         line += (f" eval {ev['accuracy']:.3f}" if ev else "") + f" {r['step_seconds']:.1f}s/step"
         print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _objective_headline(r: dict) -> str:
+        """The objective's own telling number: DRPO's corrective fraction, DPPO's masked fraction,
+        a ratio method's clipped fraction."""
+        headlines = (
+            ("objective/corrective_frac", "corrective"), ("objective/masked_frac", "masked"), ("objective/clip_frac", "clipped"),
+            ("objective/clip_frac_high", "clipped-high"), ("objective/beyond_eps_frac", "beyond-eps"),
+        )
+        for key, name in headlines:
+            if key in r:
+                return f"{name} {r[key]:.4f}"
+        return ""
 
     def summary(self, eval_history: list[dict], ledger: dict[str, int]) -> str:
         """A plain-text table of the run: held-out accuracy first and last, throughput, gap, ledger."""
         rows = []
         if eval_history:
             first, last = eval_history[0], eval_history[-1]
-            rows.append(("held-out accuracy, start", f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
+            if len(eval_history) > 1:
+                label = "held-out accuracy, start" if first["version"] == 0 else "held-out accuracy, first evaluation"
+                rows.append((label, f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
             rows.append(("held-out accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
         if self.steps:
             def mean(key: str) -> float:  # over the steps that have it (a lag bucket can be empty)

@@ -59,6 +59,8 @@ class TrainBatch:
             raise ValueError(f"TrainBatch top-K tensors must all be {shape} + (K,), got {[tuple(t.shape) for t in top]}")
         if (self.rollout_topk_ids is None) != (self.rollout_topk_logp is None):
             raise ValueError("TrainBatch.rollout_topk_ids and rollout_topk_logp come together")
+        if self.response_mask.dtype != torch.bool:
+            raise ValueError(f"TrainBatch.response_mask must be a bool tensor, got {self.response_mask.dtype}")
         if self.response_mask[:, 0].any():
             raise ValueError("TrainBatch.response_mask marks position 0, which has no context to predict it from")
         if not torch.isfinite(torch.where(self.response_mask, self.rollout_logp, 0.0)).all():

@@ -213,6 +213,10 @@ class Learner:
         enters only as the behaviour weight min(proximal/mu, cap) on the advantage, which is exact for
         every registered objective (each is positively homogeneous in A)."""
         mask = mb.response_mask
+        if objectives.required_topk(self.cfg.objective) and mb.rollout_topk_ids is None:
+            raise ValueError(
+                f"{self.cfg.objective.type} needs the engine's top-K log-probs: TrainBatch.rollout_topk_ids and rollout_topk_logp [N, S, K]"
+            )
         if self.cfg.anchor == "bypass":
             inputs = objectives.ObjectiveInputs(
                 stats.logp, mb.rollout_logp, mb.advantages, mask, rollout_topk_logp=mb.rollout_topk_logp, policy_topk_logp=stats.ids_logp

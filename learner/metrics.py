@@ -58,8 +58,10 @@ class MetricAccumulator:
         for i, n in enumerate(names):
             total, weight = packed[i].item(), packed[len(names) + i].item()
             out[n] = total if self._sums[n][1] is None else (total / weight if weight > 0 else math.nan)
-        out.update({n: v.item() for n, v in self._max.items()})
-        out.update({n: v.item() for n, v in self._min.items()})
+        # a max or min over no tokens (an empty lag bucket) is its identity, -inf / +inf: reported as
+        # NaN, like the mean of nothing (and metrics.jsonl keeps no infinities)
+        out.update({n: math.nan if v.item() == -math.inf else v.item() for n, v in self._max.items()})
+        out.update({n: math.nan if v.item() == math.inf else v.item() for n, v in self._min.items()})
         for n, h in zip(hist_names, hists):
             out.update({f"{n}/bin_{i}": c for i, c in enumerate(h.tolist())})
         return out

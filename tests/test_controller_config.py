@@ -91,5 +91,12 @@ def test_a_config_written_before_the_anchor_moved_to_the_learner_still_loads(tmp
     with pytest.warns(FutureWarning, match=r"train\.\w+ moved to learner\."):
         cfg = load_config(old)
     assert (cfg.learner.anchor, cfg.learner.behaviour_weight_cap, cfg.train.steps) == ("decoupled", 2.0, 3)
+    assert load_config(old, ["learner.anchor=bypass"]).learner.anchor == "bypass"  # an override wins over the file
+    with pytest.warns(FutureWarning, match="--set train.anchor: train.anchor moved to learner.anchor"):
+        assert load_config(None, ["train.anchor=decoupled"]).learner.anchor == "decoupled"
+    with pytest.raises(ConfigError, match="default.yaml with the --set overrides is invalid:\n  learner.anchor"), pytest.warns(FutureWarning):
+        load_config(None, ["train.anchor=decoupld"])  # a typo is named as the field's error, not a conflict
+    both = tmp_path / "both.yaml"
+    both.write_text("train: {anchor: decoupled}\nlearner: {anchor: bypass}\n")
     with pytest.raises(ConfigError, match="disagree"):
-        load_config(old, ["learner.anchor=bypass"])
+        load_config(both)

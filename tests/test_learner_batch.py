@@ -121,5 +121,5 @@ def test_top_k_dppo_uses_pi_on_the_engine_ids(megatron_single_rank):
     tv = topk_tv(engine_logp, reference)[batch.response_mask]
     assert got["objective/divergence_mean"] == pytest.approx(float(tv.mean()), abs=1e-4)
     assert 0 < got["objective/masked_frac"] < 1 and math.isfinite(got["learner/entropy_mean"])
-    with pytest.raises(ValueError, match="needs rollout_topk_logp"):
+    with pytest.raises(ValueError, match="dppo_topk_tv needs the engine's top-K log-probs: TrainBatch.rollout_topk_ids"):
         learner.train([dataclasses.replace(batch, rollout_topk_ids=None, rollout_topk_logp=None)])
