@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import objectives
+from controller.artifacts import export_run
 from controller.config import ArithmeticTask, RunConfig, dump
 from controller.loop import Controller, latest_checkpoint
 from controller.telemetry import Telemetry
@@ -21,6 +22,8 @@ class RunResult:
     ledger_counts: dict[str, int]
     summary: str
     metrics_url: str | None
+    model_dir: Path | None = None
+    """The Hugging Face folder of the last checkpoint (``checkpoint.hf``), or None."""
 
 
 def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem], dict[str, list]]:
@@ -71,9 +74,13 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
         if checkpoint is not None:
             ctl.restore(checkpoint)
         ctl.run()
-        summary = telemetry.summary(ctl.eval_history, ctl.ledger.counts())
+        model_dir = None
+        if cfg.checkpoint.hf and cfg.simulation is None:
+            last = latest_checkpoint(run_dir)
+            model_dir = export_run(run_dir, run_dir / "hf" / last.name, int(last.name[5:]), cfg.checkpoint.hf_dtype, replace=True)
+        summary = telemetry.summary(ctl.eval_history, ctl.ledger.counts(), model_dir)
         url = f"http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics" if telemetry.exporter else None
-        return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url)
+        return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url, model_dir)
     finally:
         telemetry.close()
         backend.shutdown()

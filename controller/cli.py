@@ -1,4 +1,4 @@
-"""The ``drpo`` command: ``train`` (the main job), ``report``, ``demo`` and ``objectives``."""
+"""The ``drpo`` command: ``train`` (the main job), ``export``, ``eval``, ``report``, ``demo`` and ``objectives``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from controller.artifacts import export_run
+    from learner.checkpoint import CheckpointError
+
+    try:
+        path = export_run(args.run_dir, args.out_dir, args.step, args.dtype)
+    except (CheckpointError, FileExistsError, ValueError) as err:
+        print(f"drpo export: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from controller.report import ReportError, write_report
 
@@ -99,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     tr.add_argument("--simulate", action="store_true", help="sampled durations instead of models (scheduling only)")
     tr.set_defaults(fn=_train)
+    ex = sub.add_parser("export", help="write a run checkpoint as a Hugging Face model folder (transformers, vLLM)")
+    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) folder")
+    ex.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
+    ex.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weight dtype (default fp32, as trained)")
+    ex.set_defaults(fn=_export)
     rep = sub.add_parser("report", help="write a self-contained HTML (and PNG) report of a run folder")
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", help="output folder (default RUN_DIR/report)")

@@ -117,6 +117,8 @@ class EvalConfig(_Config):
 class CheckpointConfig(_Config):
     every: int = Field(10, ge=0, description="Checkpoint every this many steps (0 = only at the end).")
     keep: int = Field(2, ge=1, description="Checkpoints kept (oldest deleted first).")
+    hf: bool = Field(False, description="At the end of the run, also write the last checkpoint as a Hugging Face folder (RUN_DIR/hf/step-N).")
+    hf_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype of that folder (the learner trains in fp32).")
 
 
 class MetricsConfig(_Config):

@@ -148,7 +148,7 @@ class Telemetry:
                 return f"{name} {r[key]:.4f}"
         return ""
 
-    def summary(self, eval_history: list[dict], ledger: dict[str, int]) -> str:
+    def summary(self, eval_history: list[dict], ledger: dict[str, int], model_dir: Path | None = None) -> str:
         """A plain-text table of the run: held-out accuracy first and last, throughput, gap, ledger."""
         rows = []
         if eval_history:
@@ -175,6 +175,8 @@ class Telemetry:
             ]
         rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))
+        if model_dir is not None:
+            rows.append(("trained model", f"{model_dir} (transformers: AutoModelForCausalLM.from_pretrained(\"{model_dir}\"); drpo eval {model_dir})"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

@@ -335,9 +335,19 @@ class Learner:
     def _checkpoint_meta(self) -> dict:
         return {"arch": self.arch.__dict__, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
 
+    def _layout(self) -> dict:
+        """Where this rank's tensors sit in the full model: what ``learner.export`` merges by."""
+        from megatron.core import parallel_state
+
+        return {
+            "tp_rank": self.tp_rank, "tp_size": self.tp_size,
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(), "ep_size": parallel_state.get_expert_model_parallel_world_size(),
+        }
+
     def _checkpoint_state(self) -> dict:
         return {
             "meta": self._checkpoint_meta(),
+            "layout": self._layout(),
             "model": self._own_tensors(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step_count,

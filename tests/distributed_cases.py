@@ -34,6 +34,7 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
         metrics = learner.train_step(batch)
         out["loss"], out["grad_norm"] = metrics.loss, metrics.grad_norm
         out["logp_after"] = learner.compute_logprobs(data["input_ids"]).logp
+        out["weights"] = learner.full_megatron_state()  # every rank gathers; rank 0 writes
     else:
         n = data["input_ids"].shape[0] // world
         part = slice(rank * n, (rank + 1) * n)
@@ -41,6 +42,8 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
         metrics = learner.train_step(batch)
         out["loss"], out["grad_norm"], out["tokens"] = metrics.loss, metrics.grad_norm, metrics.tokens
         out["weights"] = learner.full_megatron_state()  # every rank gathers; rank 0 writes
+    # every rank's checkpoint part, for the offline merge (learner/export.py)
+    learner.save_checkpoint(f"{out_path}.ckpt/learner-rank{rank:05d}.pt")
     if rank == 0:
         torch.save(out, out_path)
     distributed.shutdown()

@@ -1,4 +1,5 @@
-"""Tensor and expert parallelism over 2 gloo ranks agree with a single rank on the same weights."""
+"""Tensor and expert parallelism over 2 gloo ranks agree with a single rank on the same weights, and
+their checkpoint parts merge offline (learner/export.py) into the weights the ranks gather live."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from learner import export
 from learner.distributed import free_port
 from learner.model import ModelArch
 from tests import distributed_cases
@@ -64,7 +66,12 @@ def _data(arch: ModelArch, tmp_path) -> str:
 def _run(case: str, world: int, data_path: str, tmp_path) -> dict:
     out = tmp_path / f"{case}-{world}.pt"
     mp.spawn(distributed_cases.run, args=(world, free_port(), case, data_path, str(out)), nprocs=world, join=True)
-    return torch.load(out, weights_only=True)
+    result = torch.load(out, weights_only=True)
+    # the offline merge of every rank's checkpoint part equals the live all-gather
+    merged, _ = export.merge(export.rank_states(f"{out}.ckpt", world))
+    assert merged.keys() == result["weights"].keys()
+    assert all(torch.equal(merged[k], v) for k, v in result["weights"].items())
+    return result
 
 
 def test_tensor_parallel_2_gives_the_same_logprobs_and_step_as_1(tmp_path):
