@@ -9,6 +9,7 @@ from pathlib import Path
 import objectives
 from controller.artifacts import export_run
 from controller.config import ArithmeticTask, RunConfig, dump
+from controller.loggers import build as build_loggers
 from controller.loop import Controller, latest_checkpoint
 from controller.telemetry import Telemetry
 from rollout.tasks import Problem, arithmetic_split, load_dataset
@@ -60,8 +61,14 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump(cfg))
     train_set, test_set, skipped = problems(cfg)
-    backend = backend or make_backend(cfg)
-    telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now)
+    loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))
+    try:
+        backend = backend or make_backend(cfg)
+    except BaseException:
+        for logger in loggers:
+            logger.close()
+        raise
+    telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now, loggers)
     for path, rows in skipped.items():
         telemetry.dataset_rows_skipped(path, rows)
         print(f"drpo train: skipped {len(rows)} bad rows of {path} (first: row {rows[0][0]}: {rows[0][1]}); all in metrics.jsonl", file=sys.stderr)

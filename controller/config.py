@@ -126,6 +126,14 @@ class MetricsConfig(_Config):
     port: int | None = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free port, None = no endpoint).")
     progress: bool = Field(True, description="Live progress bar on stderr.")
     linger_seconds: float = Field(0.0, ge=0.0, description="Keep the endpoint up this long after the run, for a last scrape.")
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Also send the step, eval and gap metrics to these (each an optional extra: pip install 'drpo[wandb]')."
+    )
+    project: str = Field("drpo", min_length=1, description="W&B project and MLflow experiment name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: a local run folder under RUN_DIR/wandb for `wandb sync` (WANDB_MODE overrides)."
+    )
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking server or store; None = a local store in RUN_DIR/mlruns.")
 
 
 class SimulationConfig(_Config):

@@ -3,7 +3,8 @@
 Every step appends one JSON line of namespaced floats (``learner/``, ``objective/``, ``gap/``,
 ``staleness/``, ``rollout/``, ``reward/``, ``ledger/``); evaluations and checkpoints append their own
 lines with a ``kind`` field. The same values are served in Prometheus format
-(families and names: controller/prometheus.py) on ``metrics.host:port`` (127.0.0.1 by default).
+(families and names: controller/prometheus.py) on ``metrics.host:port`` (127.0.0.1 by default), and
+copied to TensorBoard / W&B / MLflow when ``metrics.loggers`` asks (controller/loggers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from controller.backend import TrainResult
 from controller.config import MetricsConfig
+from controller.loggers import MetricLogger, numeric
 from controller.prometheus import PrometheusExporter
 from controller.staleness import LAG_BINS, StalenessStats
 from rollout.records import Group
@@ -44,7 +46,8 @@ class StepReport:
 
 
 class Telemetry:
-    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, total_steps: int, clock):
+    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, total_steps: int, clock, loggers: list[MetricLogger] = ()):
+        """``loggers``: TensorBoard / W&B / MLflow copies (controller/loggers.py); metrics.jsonl is always written."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = (self.run_dir / "metrics.jsonl").open("a")
@@ -56,6 +59,7 @@ class Telemetry:
         self._since = clock()
         self._group_tokens = self._groups = 0
         self.worker_events: dict[str, int] = {}
+        self.loggers = list(loggers)
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -90,12 +94,17 @@ class Telemetry:
         self._since, self._group_tokens, self._groups = now, 0, 0
         self.steps.append(record)
         self._publish(record)
+        for logger in self.loggers:
+            logger.log(numeric(record), r.step)
         self._progress(record)
 
     def evaluation(self, record: dict) -> None:
         record = {"kind": "eval", "time": self.clock(), **record}
         self.evals.append(record)
-        self._publish({"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}, record)
+        values = {"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}
+        self._publish(values, record)
+        for logger in self.loggers:
+            logger.log(values, record["step"])
 
     def placement(self, nodes: dict[str, list[str]]) -> None:
         """Which Ray node each learner rank and rollout worker runs on."""
@@ -184,6 +193,8 @@ class Telemetry:
         if self._tty and self.cfg.progress:
             print(file=sys.stderr)
         self._file.close()
+        for logger in self.loggers:
+            logger.close()
         if self.exporter is not None:
             time.sleep(self.cfg.linger_seconds)
             self.exporter.close()
