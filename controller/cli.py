@@ -36,6 +36,8 @@ def _init_ray(cfg) -> None:
 
     import ray
 
+    if ray.is_initialized():  # called from Python with a cluster already joined
+        return
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
@@ -91,6 +93,38 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from controller.config import ConfigError, load_config
+    from controller.evaluate import evaluate_folder, evaluate_run
+    from learner.checkpoint import CheckpointError
+
+    target = Path(args.path)
+    is_run = (target / "config.yaml").is_file() and (target / "checkpoints").is_dir()
+    try:
+        if not is_run and not (target / "config.json").is_file():
+            raise CheckpointError(f"{target} is neither a drpo run folder (config.yaml, checkpoints/) nor a Hugging Face model folder (config.json)")
+        if is_run and args.config:
+            raise ConfigError("--config: a run folder is evaluated with the config it was trained with (use --set to change eval settings)")
+        cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
+        _init_ray(cfg)
+        if is_run:
+            result, folder = evaluate_run(target, args.step, list(args.set or []))
+            out = Path(args.out) if args.out else target / "eval" / f"{folder.name}.json"
+        else:
+            result = evaluate_folder(cfg, target)
+            out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}.json")
+    except (CheckpointError, ConfigError, ValueError, FileExistsError) as err:
+        print(f"drpo eval: {err}", file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(result.to_json() + "\n")
+    print(result.table())
+    print(f"written to {out}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from controller.report import ReportError, write_report
 
@@ -118,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
     ex.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weight dtype (default fp32, as trained)")
     ex.set_defaults(fn=_export)
+    ev = sub.add_parser("eval", help="held-out accuracy of a model folder or a run checkpoint (training's own evaluation)")
+    ev.add_argument("path", metavar="MODEL_DIR_OR_RUN_DIR")
+    ev.add_argument("--step", type=int, help="a run folder's checkpoint step (default: the latest complete one)")
+    ev.add_argument("--config", help="run config for a model folder: task, engine, eval settings (default: the embedded default)")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set eval.greedy=true")
+    ev.add_argument("--out", help="JSON file to write (default RUN_DIR/eval/step-N.json, or ./eval-<model>.json)")
+    ev.set_defaults(fn=_eval)
     rep = sub.add_parser("report", help="write a self-contained HTML (and PNG) report of a run folder")
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", help="output folder (default RUN_DIR/report)")

@@ -112,6 +112,8 @@ class EvalConfig(_Config):
     every: int = Field(10, ge=0, description="Evaluate on the held-out split every this many steps (0 = only at start and end).")
     samples_per_prompt: int = Field(1, ge=1, description="Samples per held-out prompt; accuracy is their mean.")
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
+    temperature: float | None = Field(None, gt=0.0, description="Sampling temperature of evaluation; None = rollout.temperature.")
+    greedy: bool = Field(False, description="Greedy decoding (the most likely token), e.g. for pass@1 without sampling noise.")
 
 
 class CheckpointConfig(_Config):

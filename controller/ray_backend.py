@@ -34,7 +34,8 @@ COLLECT_POLL_SECONDS = 2.0
 
 
 class RayBackend(Backend):
-    def __init__(self, cfg: RunConfig, model_folder: str | None = None):
+    def __init__(self, cfg: RunConfig, model_folder: str | None = None, learner: bool = True):
+        """``learner=False``: rollout workers only (``drpo eval``): nothing can train or publish."""
         from rollout.offline_model import materialize_smollm2
 
         self.cfg = cfg
@@ -42,7 +43,7 @@ class RayBackend(Backend):
         ro, res = cfg.rollout, cfg.learner_resources
         self.learner = LearnerGroup(
             cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads
-        )
+        ) if learner else None
         self.workers = ro.workers
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
@@ -51,6 +52,7 @@ class RayBackend(Backend):
             "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
         }
+        eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature, "greedy": cfg.eval.greedy}
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
@@ -65,13 +67,13 @@ class RayBackend(Backend):
             ).remote(
                 folder, sampling, ro.reward, ro.precision, ro.engine,
                 max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens,
-                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, **engine_kwargs,
+                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, eval_sampling=eval_sampling, **engine_kwargs,
             )
             for i in range(ro.workers)
         ]
         beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
         self.placement = {
-            "learner": ray.get([w.node_id.remote() for w in self.learner.workers]),
+            "learner": ray.get([w.node_id.remote() for w in self.learner.workers]) if self.learner else [],
             "rollout": [b["node_id"] for b in beats],
         }
         self._serving = [0] * self.workers
@@ -212,7 +214,8 @@ class RayBackend(Backend):
         for a in self.actors:
             a.shutdown.remote()
         try:
-            self.learner.shutdown()
+            if self.learner is not None:
+                self.learner.shutdown()
         except RayActorError:
             pass  # a dead learner has nothing left to shut down
         finally:

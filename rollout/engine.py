@@ -30,6 +30,8 @@ class SamplingParams:
     topk_logprobs: int = 0
     """Also return the K most likely tokens' log-probs at every step (0 = off)."""
     seed: int | None = None
+    greedy: bool = False
+    """Take the most likely token at every step (evaluation); mu is still reported at ``temperature``."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:

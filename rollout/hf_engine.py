@@ -114,7 +114,7 @@ class HFEngine(Engine):
             out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
             past = getattr(out, self._cache_arg)
             logp = torch.log_softmax(out.logits[:, -1].float() / params.temperature, dim=-1)
-            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            token = logp.argmax(-1) if params.greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logps.append(logp.gather(1, token[:, None]).squeeze(1))

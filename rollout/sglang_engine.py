@@ -49,7 +49,7 @@ class SGLangEngine(Engine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self.check_prompts(prompts)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        sampling = {"temperature": params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
+        sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
         outs = self.engine.generate(

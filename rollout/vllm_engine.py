@@ -125,7 +125,8 @@ class VLLMEngine(Engine):
 
         seed = None if params.seed is None else (params.seed * 1_000_003 + row * 10_007 + chunk) % 2**31
         return VLLMSamplingParams(
-            n=1, temperature=params.temperature, top_p=1.0, max_tokens=size, logprobs=params.topk_logprobs, seed=seed
+            n=1, temperature=0.0 if params.greedy else params.temperature, top_p=1.0, max_tokens=size, logprobs=params.topk_logprobs,
+            seed=seed,
         )
 
     @staticmethod

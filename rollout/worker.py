@@ -65,15 +65,17 @@ class RolloutWorker:
     def __init__(
         self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf",
         max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, chaos: dict | None = None, worker_id: int = 0,
-        **engine_kwargs,
+        eval_sampling: dict | None = None, **engine_kwargs,
     ):
         """``sampling``: SamplingParams fields (``topk_logprobs`` applies to training groups only);
         ``max_batch_prompts``: queued prompts of the same kind generated together in one engine
         call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group;
         ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests; ``worker_id``:
-        the index its records carry."""
+        the index its records carry; ``eval_sampling``: SamplingParams fields that differ for
+        evaluation groups (temperature, greedy)."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
+        self.eval_sampling = dataclasses.replace(self.sampling, topk_logprobs=0, **(eval_sampling or {}))
         self.reward = make_reward(reward)
         self.worker_id = worker_id
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
@@ -194,9 +196,8 @@ class RolloutWorker:
         return ids
 
     def _params(self, ticket: Ticket, n: int) -> SamplingParams:
-        """The worker's sampling with this submission's n; evaluation needs no top-K log-probs."""
-        topk = 0 if isinstance(ticket, EvalTicket) else self.sampling.topk_logprobs
-        return dataclasses.replace(self.sampling, n=n, topk_logprobs=topk)
+        """The sampling of this submission, with its n: evaluation has its own (no top-K log-probs)."""
+        return dataclasses.replace(self.eval_sampling if isinstance(ticket, EvalTicket) else self.sampling, n=n)
 
     def _generate(self, batch: list[tuple[Ticket, Problem, int]], version: int) -> list[Group]:
         """Groups in submission order; a bad prompt fails its own group only."""

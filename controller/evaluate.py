@@ -1,0 +1,79 @@
+"""``drpo eval``: held-out accuracy of a model folder or a run checkpoint, outside a training run.
+
+The evaluation is the training run's own: the Controller's ``evaluate`` over rollout workers
+(RayBackend without a learner) with the config's engine, task, held-out split and eval settings
+(samples per prompt, temperature, greedy). A run folder is evaluated with the config it was trained
+with, on its checkpoint exported to a Hugging Face folder first (learner/export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.config import RunConfig
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    model: str
+    """What was evaluated: a model folder, or RUN_DIR@step-N."""
+    record: dict
+    """The evaluation record (accuracy, samples, prompts, failed), as in metrics.jsonl."""
+    settings: dict
+
+    def table(self) -> str:
+        rows = [("model", self.model), ("task", self.settings["task"]), ("engine", self.settings["engine"]),
+                ("samples per prompt", str(self.settings["samples_per_prompt"])),
+                ("decoding", "greedy" if self.settings["greedy"] else f"temperature {self.settings['temperature']:g}"),
+                ("held-out accuracy", f"{self.record['accuracy']:.4f} ({self.record['samples']} samples, {self.record['prompts']} prompts, "
+                                      f"{self.record['failed']} failed)")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+    def to_json(self) -> str:
+        return json.dumps({"model": self.model, "settings": self.settings, **self.record}, indent=2)
+
+
+def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None = None) -> EvalResult:
+    """One evaluation round of ``model_folder`` under ``cfg`` (on the Ray cluster already initialized)."""
+    from controller.app import problems
+    from controller.loop import Controller
+    from controller.ray_backend import RayBackend
+    from controller.telemetry import Telemetry
+
+    train_set, test_set, _ = problems(cfg)
+    if not test_set:
+        raise ValueError("the config's task has no held-out split to evaluate on (task.test_path is not set)")
+    quiet = cfg.metrics.model_copy(update={"port": None, "progress": False, "loggers": []})
+    backend = RayBackend(cfg, str(model_folder), learner=False)
+    with tempfile.TemporaryDirectory(prefix="drpo-eval-") as scratch:
+        telemetry = Telemetry(scratch, quiet, 1, backend.now)
+        try:
+            ctl = Controller(cfg, backend, train_set, test_set, telemetry)
+            ctl.evaluate(blocking=True)
+        finally:
+            telemetry.close()
+            backend.shutdown()
+    record = {k: v for k, v in ctl.eval_history[-1].items() if k in ("accuracy", "samples", "prompts", "failed")}
+    settings = {
+        "task": cfg.task.type, "engine": cfg.rollout.engine, "precision": cfg.rollout.precision, "samples_per_prompt": cfg.eval.samples_per_prompt,
+        "temperature": cfg.eval.temperature or cfg.rollout.temperature, "greedy": cfg.eval.greedy, "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seed": cfg.seed,
+    }
+    return EvalResult(label or str(model_folder), record, settings)
+
+
+def evaluate_run(run_dir: str | Path, step: int | None, overrides: list[str] = ()) -> tuple[EvalResult, Path]:
+    """A run checkpoint under the run's own config (``overrides``: --set on top); returns the result
+    and the checkpoint folder evaluated."""
+    from controller.artifacts import export_run, run_config, step_folder
+    from controller.config import load_config
+
+    folder = step_folder(run_dir, step)
+    cfg = load_config(Path(run_dir) / "config.yaml", list(overrides)) if overrides else run_config(run_dir)
+    with tempfile.TemporaryDirectory(prefix="drpo-eval-model-") as scratch:
+        model = export_run(run_dir, Path(scratch) / "model", int(folder.name[5:]))
+        return evaluate_folder(cfg, model, label=f"{run_dir}@{folder.name}"), folder
