@@ -71,11 +71,16 @@ def _train(args: argparse.Namespace) -> int:
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
     from controller.backend import LearnerLost
 
+    from learner.checkpoint import CheckpointError
+
     try:
         result = train(cfg, resume=bool(args.resume))
     except LearnerLost as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 1
+    except (FileNotFoundError, CheckpointError) as err:  # a dataset or model folder that is not there, a bad checkpoint
+        print(f"drpo train: {err}", file=sys.stderr)
+        return 2
     print(result.summary)
     return 0
 

@@ -93,13 +93,23 @@ class TrainConfig(_Config):
     prompts_per_step: int = Field(8, ge=1, description="B: groups per rollout batch (after filtering).")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per rollout batch (the batch is split in this many).")
     mode: Literal["sync", "async"] = Field("async", description="sync: generate then train (on-policy); async: rollout runs ahead.")
-    max_staleness: int = Field(1, ge=0, description="eta: no trained token is more than eta versions older than the learner.")
+    max_staleness: int = Field(
+        1, ge=0, description="eta: no trained token is more than eta versions older than the learner (sync mode: 0, unless set otherwise)."
+    )
     over_bound: Literal["wait", "drop"] = Field(
         "wait", description="wait: a step waits for rollouts that would otherwise expire; drop: expired samples are dropped."
     )
     max_filtered_in_a_row: int = Field(
         2000, ge=1, description="Stop when this many groups in a row are filtered (all rewards equal): the task gives no signal."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_means_eta_0(cls, data):
+        """mode=sync with no eta given means eta = 0 (on-policy); an explicit eta >= 1 is refused below."""
+        if isinstance(data, dict) and data.get("mode") == "sync" and "max_staleness" not in data:
+            return {**data, "max_staleness": 0}
+        return data
 
     @model_validator(mode="after")
     def _sync_is_on_policy(self) -> "TrainConfig":
