@@ -34,12 +34,14 @@ def save(path: str | Path, state: dict) -> None:
         raise
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, mmap: bool = False) -> dict:
+    """``mmap``: map the file instead of reading it (an export touches only the model tensors, not
+    the optimizer state that makes up most of the file)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"checkpoint {path} is corrupt or not a drpo learner checkpoint: {err}") from None
     if not isinstance(state, dict) or "meta" not in state or "model" not in state:

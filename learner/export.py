@@ -39,7 +39,7 @@ def rank_states(folder: str | Path, world_size: int | None = None) -> list[dict]
     missing = [p.name for p in expected if not p.is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {folder} is incomplete: {', '.join(missing)} missing")
-    states = [load(p) for p in expected]
+    states = [load(p, mmap=True) for p in expected]
     if any(s["meta"]["arch"] != states[0]["meta"]["arch"] for s in states):
         raise CheckpointError(f"the rank files in {folder} were written for different models")
     return states
