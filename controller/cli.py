@@ -91,7 +91,7 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         path = export_run(args.run_dir, args.out_dir, args.step, args.dtype)
-    except (CheckpointError, FileExistsError, ValueError) as err:
+    except (CheckpointError, OSError, ValueError) as err:  # OSError: an output folder that cannot be written
         print(f"drpo export: {err}", file=sys.stderr)
         return 2
     print(path)
@@ -102,7 +102,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from controller.config import ConfigError, load_config
-    from controller.evaluate import evaluate_folder, evaluate_run
+    from controller.evaluate import check_model_folder, evaluate_folder, evaluate_run
     from learner.checkpoint import CheckpointError
 
     target = Path(args.path)
@@ -112,14 +112,18 @@ def _eval(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{target} is neither a drpo run folder (config.yaml, checkpoints/) nor a Hugging Face model folder (config.json)")
         if is_run and args.config:
             raise ConfigError("--config: a run folder is evaluated with the config it was trained with (use --set to change eval settings)")
+        if not is_run:
+            if args.step is not None:
+                raise ConfigError(f"--step picks a run folder's checkpoint; {target} is a model folder")
+            check_model_folder(target)
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
         _init_ray(cfg)
         if is_run:
             result, folder = evaluate_run(target, args.step, list(args.set or []))
-            out = Path(args.out) if args.out else target / "eval" / f"{folder.name}.json"
+            out = Path(args.out) if args.out else target / "eval" / f"{folder.name}-{result.tag()}.json"
         else:
             result = evaluate_folder(cfg, target)
-            out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}.json")
+            out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}-{result.tag()}.json")
     except (CheckpointError, ConfigError, ValueError, FileExistsError) as err:
         print(f"drpo eval: {err}", file=sys.stderr)
         return 2

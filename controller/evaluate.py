@@ -33,8 +33,28 @@ class EvalResult:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
+    def tag(self) -> str:
+        """The decoding settings in a file name: evaluations of one model under other settings do not overwrite each other."""
+        s = self.settings
+        return f"{'greedy' if s['greedy'] else 't' + format(s['temperature'], 'g')}-n{s['samples_per_prompt']}"
+
     def to_json(self) -> str:
         return json.dumps({"model": self.model, "settings": self.settings, **self.record}, indent=2)
+
+
+def check_model_folder(folder: str | Path) -> None:
+    """Raise ValueError naming what a Hugging Face folder lacks for evaluation (before any worker starts)."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{folder}/config.json does not load: {err}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"{folder}/config.json has no model_type: not a Hugging Face model config")
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ValueError(f"{folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ValueError(f"{folder} has no weights (*.safetensors or *.bin)")
 
 
 def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None = None) -> EvalResult:

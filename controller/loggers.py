@@ -64,10 +64,22 @@ class WandbLogger:
         self.run.finish()
 
 
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys (``learner.objective.type``) with string values."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
 class MLflowLogger:
     """Through ``MlflowClient`` (no global active run, so several runs can share a process)."""
 
-    def __init__(self, run_dir: Path, experiment: str, tracking_uri: str | None, config_yaml: str):
+    def __init__(self, run_dir: Path, experiment: str, tracking_uri: str | None, config: dict, config_yaml: str):
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         if tracking_uri is None:
@@ -79,6 +91,9 @@ class MLflowLogger:
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
         self.client.log_text(self.run_id, config_yaml, "config.yaml")
+        params = [Param(k, v[:6000]) for k, v in _flatten(config).items()]
+        for start in range(0, len(params), 100):  # MLflow's batch limit for params
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -104,7 +119,7 @@ def build(names: list[str], run_dir: Path, cfg, config: dict, config_yaml: str) 
                 elif name == "wandb":
                     loggers.append(WandbLogger(run_dir, cfg.project, cfg.wandb_mode, config))
                 elif name == "mlflow":
-                    loggers.append(MLflowLogger(run_dir, cfg.project, cfg.mlflow_tracking_uri, config_yaml))
+                    loggers.append(MLflowLogger(run_dir, cfg.project, cfg.mlflow_tracking_uri, config, config_yaml))
             except ImportError as err:
                 raise RuntimeError(
                     f"metrics.loggers has {name!r} but its library is not installed ({err.name}): pip install 'drpo[{EXTRAS[name]}]'"

@@ -185,7 +185,8 @@ class Telemetry:
         rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))
         if model_dir is not None:
-            rows.append(("trained model", f"{model_dir} (transformers: AutoModelForCausalLM.from_pretrained(\"{model_dir}\"); drpo eval {model_dir})"))
+            rows.append(("trained model", f"{model_dir} (transformers: AutoModelForCausalLM.from_pretrained(\"{model_dir}\"))"))
+            rows.append(("evaluate it", f"drpo eval {self.run_dir} (the run's own task and eval settings)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

@@ -94,12 +94,14 @@ def export(checkpoint: str | Path, source: str | Path, out_dir: str | Path, dtyp
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} exists and is not an empty folder; choose a new output folder")
+        raise FileExistsError(f"{out_dir} exists and is not an empty folder; choose a new output folder (or remove it)")
     full, arch = merge(rank_states(checkpoint, world_size))
     check_same_model(arch, source)
     hf = {name: t.to(DTYPES[dtype]).contiguous() for name, t in bridge.megatron_to_hf(full, arch)}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for f in Path(source).iterdir():
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != "model.safetensors.index.json":
@@ -109,6 +111,9 @@ def export(checkpoint: str | Path, source: str | Path, out_dir: str | Path, dtyp
         for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
             config[key] = str(DTYPES[dtype]).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in tmp.iterdir():  # mkdtemp makes the folder private; a model folder is meant to be shared
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(tmp, out_dir)

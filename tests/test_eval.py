@@ -33,11 +33,19 @@ def test_drpo_eval_reproduces_the_runs_start_and_end_accuracy(ray_local, smollm2
     assert base["settings"]["greedy"] is True and "held-out accuracy" in capsys.readouterr().out
 
     assert main(["eval", str(result.run_dir)]) == 0
-    trained = json.loads((result.run_dir / "eval" / "step-000002.json").read_text())
+    trained = json.loads((result.run_dir / "eval" / "step-000002-greedy-n1.json").read_text())
     assert (trained["accuracy"], trained["samples"]) == (end["accuracy"], end["samples"])
     assert trained["model"].endswith("@step-000002")
 
 
-def test_drpo_eval_names_what_it_cannot_evaluate(tmp_path, capsys):
+def test_drpo_eval_names_what_it_cannot_evaluate(tmp_path, tiny_chat_model, capsys):
     assert main(["eval", str(tmp_path)]) == 2
     assert "is neither a drpo run folder (config.yaml, checkpoints/) nor a Hugging Face model folder" in capsys.readouterr().err
+    assert main(["eval", str(tiny_chat_model), "--step", "3"]) == 2
+    assert "--step picks a run folder's checkpoint" in capsys.readouterr().err
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((tiny_chat_model / name).read_bytes())
+    assert main(["eval", str(no_tokenizer)]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err

@@ -55,6 +55,8 @@ def test_the_run_ends_with_a_model_folder_whose_logits_are_the_learners(trained,
     assert result.model_dir == run_dir / "hf" / "step-000004" and "trained model" in result.summary
     for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
         assert (result.model_dir / name).is_file(), name
+    # readable by others, as any file written under the usual umask (a serving process may run as another user)
+    assert (result.model_dir.stat().st_mode & 0o055) == 0o055 and ((result.model_dir / "model.safetensors").stat().st_mode & 0o044) == 0o044
     learner = _learner(tiny_chat_model, run_dir / "checkpoints" / "step-000004")
     with safe_open(str(result.model_dir / "model.safetensors"), "pt") as f:  # bit for bit the learner's weights
         weights = {k: f.get_tensor(k) for k in f.keys()}

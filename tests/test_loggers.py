@@ -73,6 +73,7 @@ def test_mlflow_local_store_holds_the_runs_metrics_and_config(logged):
         assert got.keys() == steps.keys() and all(_same(got[s], steps[s][key]) for s in steps), key
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "eval/accuracy")} == pytest.approx(evals)
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert run.data.params["learner.objective.type"] == "drpo" and run.data.params["train.steps"] == "3"
 
 
 def test_a_logger_whose_library_is_missing_fails_by_name(tmp_path, monkeypatch):
