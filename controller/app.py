@@ -10,7 +10,7 @@ import objectives
 from controller.artifacts import export_run
 from controller.config import ArithmeticTask, RunConfig, dump
 from controller.loggers import build as build_loggers
-from controller.loop import Controller, latest_checkpoint
+from controller.loop import Controller, checkpoint_step, latest_checkpoint
 from controller.telemetry import Telemetry
 from rollout.tasks import Problem, arithmetic_split, load_dataset
 
@@ -84,7 +84,7 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
         model_dir = None
         if cfg.checkpoint.hf and cfg.simulation is None:
             last = latest_checkpoint(run_dir)
-            model_dir = export_run(run_dir, run_dir / "hf" / last.name, int(last.name[5:]), cfg.checkpoint.hf_dtype, replace=True)
+            model_dir = export_run(run_dir, run_dir / "hf" / last.name, checkpoint_step(last), cfg.checkpoint.hf_dtype, replace=True)
         summary = telemetry.summary(ctl.eval_history, ctl.ledger.counts(), model_dir)
         url = f"http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics" if telemetry.exporter else None
         return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url, model_dir)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from controller.config import ConfigError, RunConfig, load_config
-from controller.loop import STATE_FILE
+from controller.loop import checkpoint_folder, checkpoint_step, complete_checkpoints
 from learner.checkpoint import CheckpointError
 
 
@@ -24,15 +24,14 @@ def run_config(run_dir: str | Path) -> RunConfig:
 
 def step_folder(run_dir: str | Path, step: int | None = None) -> Path:
     """The complete checkpoint of ``step`` (default: the latest complete one) in a run folder."""
-    root = Path(run_dir) / "checkpoints"
-    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    complete = complete_checkpoints(run_dir)
     if step is None:
         if not complete:
-            raise CheckpointError(f"{run_dir} has no complete checkpoint under {root}")
+            raise CheckpointError(f"{run_dir} has no complete checkpoint under {Path(run_dir) / 'checkpoints'}")
         return complete[-1]
-    folder = root / f"step-{step:06d}"
+    folder = checkpoint_folder(run_dir, step)
     if folder not in complete:
-        have = ", ".join(str(int(p.name[5:])) for p in complete) or "none"
+        have = ", ".join(str(checkpoint_step(p)) for p in complete) or "none"
         raise CheckpointError(f"{run_dir} has no complete checkpoint of step {step} (complete steps: {have})")
     return folder
 

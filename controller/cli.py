@@ -119,7 +119,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
         _init_ray(cfg)
         if is_run:
-            result, folder = evaluate_run(target, args.step, list(args.set or []))
+            result, folder = evaluate_run(target, args.step, cfg)
             out = Path(args.out) if args.out else target / "eval" / f"{folder.name}-{result.tag()}.json"
         else:
             result = evaluate_folder(cfg, target)

@@ -86,14 +86,13 @@ def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None 
     return EvalResult(label or str(model_folder), record, settings)
 
 
-def evaluate_run(run_dir: str | Path, step: int | None, overrides: list[str] = ()) -> tuple[EvalResult, Path]:
-    """A run checkpoint under the run's own config (``overrides``: --set on top); returns the result
-    and the checkpoint folder evaluated."""
-    from controller.artifacts import export_run, run_config, step_folder
-    from controller.config import load_config
+def evaluate_run(run_dir: str | Path, step: int | None, cfg: RunConfig) -> tuple[EvalResult, Path]:
+    """A run checkpoint under ``cfg`` (the run's own config, --set overrides applied); returns the
+    result and the checkpoint folder evaluated."""
+    from controller.artifacts import export_run, step_folder
+    from controller.loop import checkpoint_step
 
     folder = step_folder(run_dir, step)
-    cfg = load_config(Path(run_dir) / "config.yaml", list(overrides)) if overrides else run_config(run_dir)
     with tempfile.TemporaryDirectory(prefix="drpo-eval-model-") as scratch:
-        model = export_run(run_dir, Path(scratch) / "model", int(folder.name[5:]))
+        model = export_run(run_dir, Path(scratch) / "model", checkpoint_step(folder))
         return evaluate_folder(cfg, model, label=f"{run_dir}@{folder.name}"), folder

@@ -289,7 +289,8 @@ class Controller:
         resume), since none was trained on. Admission counters are saved as trained-only, so a
         resumed run admits exactly what a run at this step boundary would (no burst)."""
         root = Path(self.cfg.run_dir) / "checkpoints"
-        final, tmp = root / f"step-{self.step:06d}", root / f".tmp-step-{self.step:06d}"
+        final = checkpoint_folder(self.cfg.run_dir, self.step)
+        tmp = root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.backend.save(str(tmp))
@@ -322,6 +323,21 @@ class Controller:
         self.backend.load(str(folder), self.version)
 
 
+def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (complete once it holds STATE_FILE)."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder (the inverse of ``checkpoint_folder``)."""
+    return int(folder.name.removeprefix("step-"))
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every complete checkpoint of a run folder, oldest step first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file())
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file())
+    done = complete_checkpoints(run_dir)
     return done[-1] if done else None
