@@ -81,6 +81,11 @@ class TrainBatch:
     def rows(self, start: int, stop: int) -> "TrainBatch":
         return self.map(lambda t: t[start:stop])
 
+    def select(self, rows: list[int]) -> "TrainBatch":
+        """The sequences at ``rows`` (a packed micro-batch's), in that order."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return self.map(lambda t: t.index_select(0, index.to(t.device)))
+
     def micro_batches(self, size: int) -> Iterator["TrainBatch"]:
         for s in range(0, self.input_ids.shape[0], size):
             yield self.rows(s, s + size)

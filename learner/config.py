@@ -65,7 +65,21 @@ class LearnerConfig(_Config):
         "recomputed at the start of each step, does, and mu only reweights the advantage by min(proximal/mu, cap).",
     )
     behaviour_weight_cap: float = Field(5.0, gt=0.0, description="decoupled: cap on the behaviour weight proximal/mu.")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward; gradients accumulate across micro-batches.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32, or bf16 mixed precision: bf16 parameters and compute, fp32 main parameters, gradients and optimizer; "
+        "log-probs, entropy and the objective are always fp32.",
+    )
+    packing: Literal["none", "sequences", "shared_prompt"] = Field(
+        "none",
+        description="none: right-padded rows, micro_batch_size sequences per micro-batch; sequences: sequences packed into rows "
+        "without attending across their boundaries, micro-batches of micro_batch_tokens; shared_prompt: as sequences, and the "
+        "samples of a group share one copy of their prompt (exact: each response sees the prompt and itself only).",
+    )
+    micro_batch_size: int = Field(4, ge=1, description="packing=none: sequences per forward/backward; gradients accumulate across micro-batches.")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="packing=sequences|shared_prompt: token slots (padding included) per forward/backward."
+    )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature the rollout used; log-probs are taken at it.")
     compute_entropy: bool = Field(True, description="Report the learner's per-token entropy.")
     topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import objectives
-from learner import bridge, checkpoint, optim
+from learner import bridge, checkpoint, optim, packing
 from learner import model as modeling
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
@@ -88,14 +88,14 @@ class Learner:
         self.cfg, self.arch = cfg, arch
         torch.manual_seed(cfg.seed)
         self.tp_rank, self.tp_size = tp_rank_size()
-        module = modeling.build_gpt(arch, expert_parallel=cfg.parallel.expert, tensor_parallel=cfg.parallel.tensor)
+        module = modeling.build_gpt(arch, expert_parallel=cfg.parallel.expert, tensor_parallel=cfg.parallel.tensor, precision=cfg.precision)
         if weights is not None:
             self._load_full(module, weights)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=torch.cuda.is_available()
         )
         self.model = DistributedDataParallel(module.config, ddp_config, module)
-        self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size)
+        self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size, bf16=cfg.precision == "bf16")
         self.device = next(self.module.parameters()).device
         self.step_count = 0
         self.version = 0
@@ -140,24 +140,47 @@ class Learner:
     def token_logprobs(self, input_ids: torch.Tensor, ids: torch.Tensor | None = None) -> TokenLogProbs:
         """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on.
         ``ids`` [N, S, K] (aligned the same way): also the log-probs of those ids (``ids_logp``)."""
-        input_ids = input_ids.to(self.device)
-        hidden = modeling.forward_hidden(self.module, input_ids)[:, :-1]
+        scored = torch.ones(input_ids.shape, dtype=torch.bool)
+        scored[:, 0] = False
+        return self._packed_logprobs(packing.unpacked(input_ids), input_ids, scored, ids)
+
+    def _packed_logprobs(self, packed: packing.Packed, input_ids: torch.Tensor, scored: torch.Tensor, ids: torch.Tensor | None) -> TokenLogProbs:
+        """Statistics of the tokens ``scored`` [n, S] of rows ``input_ids`` [n, S], computed by one
+        forward of their packed layout; zero elsewhere. The output projection and softmax run on
+        the scored tokens only (always in fp32, from hidden states of the learner's precision)."""
+        device = self.device
+        hidden = modeling.forward_hidden(
+            self.module, packed.input_ids.to(device), packed.position_ids.to(device), packed.attention_mask.to(device)
+        )
+        scored = scored.to(device) & (packed.source.to(device) >= 0)
+        source = packed.source.to(device)[scored]
         out = logprobs_from_hidden(
-            hidden, self._output_weight(), input_ids[:, 1:], self.cfg.temperature,
+            hidden.reshape(-1, hidden.shape[-1])[source], self._output_weight(), input_ids.to(device)[scored], self.cfg.temperature,
             entropy=self.cfg.compute_entropy, topk=self.cfg.topk, max_chunk_elements=self.cfg.max_chunk_elements,
-            ids=None if ids is None else ids.to(self.device)[:, 1:],
+            ids=None if ids is None else ids.to(device)[scored],
         )
 
-        def pad(t):
-            return None if t is None else torch.cat([torch.zeros_like(t[:, :1]), t], dim=1)
+        def place(t):
+            if t is None:
+                return None
+            full = torch.zeros((*scored.shape, *t.shape[1:]), dtype=t.dtype, device=device)
+            return full.masked_scatter(scored.view(*scored.shape, *([1] * (t.dim() - 1))).expand_as(full), t) if t.dim() > 1 else full.masked_scatter(scored, t)
 
-        return TokenLogProbs(pad(out.logp), pad(out.entropy), pad(out.topk_logp), pad(out.topk_ids), pad(out.ids_logp))
+        return TokenLogProbs(place(out.logp), place(out.entropy), place(out.topk_logp), place(out.topk_ids), place(out.ids_logp))
 
     @torch.no_grad()
     def compute_logprobs(self, input_ids: torch.Tensor, ids: torch.Tensor | None = None) -> TokenLogProbs:
         """Log-probs without gradient (proximal_logp recomputation, evaluation)."""
         self.model.eval()
         return self.token_logprobs(input_ids, ids)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, packing.Packed]]:
+        """The batch's micro-batches, each with its forward layout: packing=none slices
+        micro_batch_size right-padded rows; the packed modes fill micro_batch_tokens slots."""
+        if self.cfg.packing == "none":
+            return [(mb, packing.unpacked(mb.input_ids, mb.response_mask)) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
+        plan = packing.micro_batches(batch.input_ids.cpu(), batch.response_mask.cpu(), self.cfg.packing, self.cfg.micro_batch_tokens)
+        return [(batch.select(rows), packed) for rows, packed in plan]
 
     # ---- step -------------------------------------------------------------------------------------
 
@@ -203,10 +226,23 @@ class Learner:
         """The batch with the learner's log-probs now (before updating on it) as proximal_logp,
         and on the engine's top-K ids as proximal_topk_logp; micro-batch by micro-batch, so the
         pass needs no more memory than a training forward."""
-        parts = [self.compute_logprobs(mb.input_ids, mb.rollout_topk_ids) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
-        proximal = torch.cat([p.logp for p in parts]).cpu()
-        topk = None if parts[0].ids_logp is None else torch.cat([p.ids_logp for p in parts]).cpu()
+        self.model.eval()
+        proximal = torch.zeros(batch.input_ids.shape)
+        topk = torch.zeros(batch.rollout_topk_ids.shape) if batch.rollout_topk_ids is not None else None
+        with torch.no_grad():
+            for rows, (mb, packed) in zip(self._rows(batch), self._micro_batches(batch)):
+                stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
+                proximal[rows] = stats.logp.cpu()
+                if topk is not None:
+                    topk[rows] = stats.ids_logp.cpu()
         return replace(batch, proximal_logp=proximal, proximal_topk_logp=topk)
+
+    def _rows(self, batch: TrainBatch) -> list[list[int]]:
+        """Which of the batch's rows each of ``_micro_batches(batch)`` holds, in its order."""
+        if self.cfg.packing == "none":
+            n, size = batch.input_ids.shape[0], self.cfg.micro_batch_size
+            return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+        return [rows for rows, _ in packing.micro_batches(batch.input_ids.cpu(), batch.response_mask.cpu(), self.cfg.packing, self.cfg.micro_batch_tokens)]
 
     def _objective_inputs(self, mb: TrainBatch, stats: TokenLogProbs) -> tuple[objectives.ObjectiveInputs, dict[str, Metric]]:
         """What the objective sees. bypass: mu anchors it. decoupled: proximal_logp anchors it and mu
@@ -241,8 +277,10 @@ class Learner:
         dp = self._dp_size()
         delta = getattr(self.cfg.objective, "delta", None)  # the trust region, for gap/beyond_delta_frac
         total_loss = torch.zeros((), device=self.device)
-        for mb in batch.to(self.device).micro_batches(self.cfg.micro_batch_size):
-            stats = self.token_logprobs(mb.input_ids, mb.rollout_topk_ids)
+        slots = real = 0
+        for mb, packed in self._micro_batches(batch.to(self.device)):
+            slots, real = slots + packed.tokens, real + packed.real_tokens
+            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
             inputs, anchor_metrics = self._objective_inputs(mb, stats)
             out = objectives.compute(self.cfg.objective, inputs)
             loss = objectives.aggregate(out.loss, mb.response_mask, self.cfg.aggregation.mode, normalizer, self.cfg.aggregation.horizon)
@@ -252,6 +290,10 @@ class Learner:
             acc.add("objective/", out.metrics)
             acc.add("learner/", anchor_metrics)
             self._gap_metrics(acc, stats, mb, delta)
+        acc.add("learner/", {
+            "forward_tokens": Metric(torch.tensor(float(slots)), "sum"),
+            "padding_frac": Metric(torch.tensor(1.0 - real / max(1, slots)), "mean", count=torch.tensor(float(slots))),
+        })
         self.model.finish_grad_sync()
         grad_norm = self.optimizer.step()
         self.step_count += 1

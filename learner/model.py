@@ -94,8 +94,12 @@ class ModelArch:
         return cls.from_hf_config(json.loads(path.read_text()))
 
 
-def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1):
-    """The megatron-core TransformerConfig for ``arch`` (fp32, no dropout, CPU overrides applied)."""
+def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1, precision: str = "fp32"):
+    """The megatron-core TransformerConfig for ``arch`` (no dropout, CPU overrides applied).
+
+    ``precision="bf16"``: bf16 parameters and compute (megatron's mixed precision: the optimizer
+    keeps fp32 main parameters, DDP accumulates gradients in fp32; learner/optim.py), attention
+    softmax in fp32."""
     from megatron.core.transformer import TransformerConfig
 
     moe = {}
@@ -128,19 +132,21 @@ def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_para
         # Megatron's defaults are 0.1; RL log-probs must be deterministic functions of the weights.
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+        bf16=precision == "bf16",
+        attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tensor_parallel,
         **moe,
         **cpu_shims.cpu_config_overrides(),
     )
 
 
-def build_gpt(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1):
+def build_gpt(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1, precision: str = "fp32"):
     """A megatron-core GPTModel for ``arch``; parallel_state must already be initialized."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(arch, expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
+    config = transformer_config(arch, expert_parallel=expert_parallel, tensor_parallel=tensor_parallel, precision=precision)
     spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config,
@@ -163,17 +169,24 @@ def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def forward_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
+def forward_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Hidden states after the final norm, [batch, seq, hidden], for input_ids [batch, seq].
 
-    Runs GPTModel's own preprocess (embedding, rotary) and decoder and stops before the output
-    layer, so no [tokens, vocab] logits are formed.
+    Runs GPTModel's own preprocess (embedding) and decoder and stops before the output layer, so
+    no [tokens, vocab] logits are formed. ``position_ids`` [batch, seq] (default 0..seq-1) and
+    ``attention_mask`` [batch or 1, 1, seq, seq] (True = masked; default causal) carry packed
+    layouts (learner/packing.py): the rotary table is indexed by each token's own position.
     """
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
-    pre = model._preprocess(input_ids=input_ids, position_ids=position_ids)
-    decoder_input, rotary_pos_emb = pre[0], pre[1]
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=causal_mask(seq, input_ids.device), rotary_pos_emb=rotary_pos_emb)
+    if attention_mask is None:
+        attention_mask = causal_mask(seq, input_ids.device)
+    decoder_input = model.embedding(input_ids=input_ids, position_ids=None)
+    if position_ids is None:
+        rotary_pos_emb = model.rotary_pos_emb(seq)  # [seq, 1, 1, dim]
+    else:
+        table = model.rotary_pos_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, dim]
+        rotary_pos_emb = table[position_ids.t()].squeeze(2)  # [seq, batch, 1, dim]
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=attention_mask.to(input_ids.device), rotary_pos_emb=rotary_pos_emb)
     return hidden.transpose(0, 1)
 
 

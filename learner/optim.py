@@ -39,7 +39,9 @@ def global_grad_norm(params, tp_size: int) -> float:
     dense = torch.zeros((), dtype=torch.float64, device=device)
     expert = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        sq = p.grad.double().pow(2).sum()
+        # per tensor in its own dtype (torch's norm accumulates blockwise), summed across tensors
+        # in float64: as accurate as a float64 copy of every gradient, without making one
+        sq = torch.linalg.vector_norm(p.grad).double().pow(2)
         if not getattr(p, "allreduce", True):
             expert += sq
         elif param_is_not_tensor_parallel_duplicate(p):
@@ -52,27 +54,46 @@ def global_grad_norm(params, tp_size: int) -> float:
 
 
 class TorchAdamW:
-    """CPU path: AdamW over main_grad, global-norm clipping, LambdaLR schedule. Skips non-finite steps."""
+    """CPU path: AdamW over main_grad, global-norm clipping, LambdaLR schedule. Skips non-finite steps.
+
+    Mixed precision (bf16 parameters): AdamW steps fp32 main parameters with the fp32 gradients
+    DDP accumulated in ``main_grad``, then copies them into the bf16 parameters the model
+    computes with (megatron-core's standard scheme). The main parameters are part of the state
+    dict, so a resumed run continues from the same fp32 values, not from their bf16 rounding."""
 
     def __init__(self, model, cfg: OptimizerConfig, tp_size: int):
         self.cfg, self.tp_size = cfg, tp_size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.main = [self._main_copy(p) for p in self.params] if self.mixed else self.params
+        self.optimizer = torch.optim.AdamW(self.main, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
+
+    @staticmethod
+    def _main_copy(p: torch.Tensor) -> torch.Tensor:
+        main = p.detach().float().clone()
+        for attr in ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride"):  # read by global_grad_norm
+            if hasattr(p, attr):
+                setattr(main, attr, getattr(p, attr))
+        return main
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> float:
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype)
-        norm = global_grad_norm(self.params, self.tp_size)
+        for p, main in zip(self.params, self.main):
+            main.grad = p.main_grad.to(main.dtype)
+        norm = global_grad_norm(self.main, self.tp_size)
         clip = self.cfg.grad_clip
         if clip is not None and math.isfinite(norm) and norm > clip:
-            for p in self.params:
-                p.grad.mul_(clip / (norm + 1e-6))
+            for main in self.main:
+                main.grad.mul_(clip / (norm + 1e-6))
         if math.isfinite(norm):  # a NaN/inf gradient skips the update instead of poisoning the weights
             self.optimizer.step()
+            if self.mixed:
+                with torch.no_grad():
+                    for p, main in zip(self.params, self.main):
+                        p.copy_(main)
         self.scheduler.step()
         return norm
 
@@ -81,11 +102,20 @@ class TorchAdamW:
         return self.scheduler.get_last_lr()[0]
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.mixed:
+            state["main_params"] = [m.detach().clone() for m in self.main]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.mixed != ("main_params" in state):
+            raise ValueError("checkpoint optimizer state is for another learner.precision (fp32 vs bf16 main parameters)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.mixed:
+            with torch.no_grad():
+                for main, saved in zip(self.main, state["main_params"]):
+                    main.copy_(saved)
 
 
 class MegatronDistributedAdam:
@@ -96,7 +126,7 @@ class MegatronDistributedAdam:
     is not wired up yet: state_dict raises instead of writing a partial checkpoint.
     """
 
-    def __init__(self, model, cfg: OptimizerConfig, tp_size: int):
+    def __init__(self, model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False):
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
@@ -104,7 +134,7 @@ class MegatronDistributedAdam:
         self.optimizer = get_megatron_optimizer(
             MegatronOptimizerConfig(
                 optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-                adam_eps=cfg.eps, clip_grad=cfg.grad_clip or 0.0, use_distributed_optimizer=True, params_dtype=torch.float32,
+                adam_eps=cfg.eps, clip_grad=cfg.grad_clip or 0.0, use_distributed_optimizer=True, params_dtype=torch.float32, bf16=bf16,
             ),
             [model],
         )
@@ -130,5 +160,6 @@ class MegatronDistributedAdam:
         raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
 
 
-def build(model, cfg: OptimizerConfig, tp_size: int):
-    return MegatronDistributedAdam(model, cfg, tp_size) if torch.cuda.is_available() else TorchAdamW(model, cfg, tp_size)
+def build(model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False):
+    """bf16: the model's parameters are bf16 and the optimizer keeps fp32 main parameters."""
+    return MegatronDistributedAdam(model, cfg, tp_size, bf16) if torch.cuda.is_available() else TorchAdamW(model, cfg, tp_size)

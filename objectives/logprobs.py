@@ -11,6 +11,9 @@ gradient straight into the input's gradient.
     entropy_t = -sum_v p_v log p_v,             p = softmax(z)
     d logp / d z = onehot(y) - p,  d entropy / d z = -p (log p + entropy)
 
+Hidden states and weights of a lower precision (a bf16 learner) are upcast chunk by chunk: logits
+and softmax are always fp32; the two gradient matmuls run in the inputs' precision.
+
 Top-K log-probs (and ids) are returned without gradient, and so are the log-probs of given ``ids``
 per token (the engine's top-K ids: Top-K DPPO needs pi on exactly the ids the engine reported).
 ``targets`` must hold valid token ids everywhere (use any id, such as 0, at padded positions).
@@ -111,8 +114,10 @@ class _HiddenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, want_entropy, topk, chunk, ids):
+        weight32 = weight.float()  # low-precision inputs: logits in fp32 (bf16 logits are off by ~0.1)
+
         def make_z(s, e):
-            return torch.matmul(hidden[s:e], weight.t()).float().div_(temperature)
+            return torch.matmul(hidden[s:e].float(), weight32.t()).div_(temperature)
 
         outs = _run_forward(make_z, hidden.shape[0], chunk, targets, want_entropy, topk, ids, hidden.device)
         ctx.save_for_backward(hidden, weight, targets)
@@ -126,15 +131,19 @@ class _HiddenLogProbs(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
 
-        def make_z(s, e):
-            return torch.matmul(hidden[s:e], weight.t()).float().div_(ctx.temperature)
+        weight32 = weight.float()
 
+        def make_z(s, e):
+            return torch.matmul(hidden[s:e].float(), weight32.t()).div_(ctx.temperature)
+
+        # the gradient matmuls run in the model's precision (a bf16 model's backward is bf16 anyway);
+        # logits and softmax, which the log-probs and their gradient come from, stay fp32
         for s, e, grad_z in _backward_chunks(make_z, hidden.shape[0], ctx, targets, g_logp, g_entropy, hidden.device):
             grad_z = grad_z.to(hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = grad_z @ weight
             if grad_w is not None:
-                grad_w.add_(grad_z.t().float() @ hidden[s:e].float())
+                grad_w.add_(grad_z.t() @ hidden[s:e])
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None

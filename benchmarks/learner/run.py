@@ -2,11 +2,16 @@
 
     .venv/bin/python -m benchmarks.learner.run [--rounds 2] [--only step|publish]
 
-1. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
+1. The default preset's learner step (``--only preset``): SmolLM2-135M, 8 groups x 8 samples, each
+   the chat-templated arithmetic prompt (~60 tokens) and a response of 4 to 16 tokens, DRPO; fp32
+   vs bf16 and packing none (right-padded rows, micro-batches of 16) vs shared_prompt (a group's
+   prompt once, micro-batches of 4096 token slots). Seconds per step and peak RSS, each variant in
+   fresh processes, interleaved; ratios against today's fp32 / none.
+2. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
    drpo's megatron-core Learner (chunked log-probs, micro-batches of 4) next to the same step done
    with a plain transformers LlamaForCausalLM and torch autograd (full logits, log_softmax, the same
    DRPO loss, AdamW). Tokens/s and peak RSS, each variant in fresh processes, interleaved.
-2. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
+3. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
    WeightBroadcastGroup (gloo here, NCCL on GPU) and through Ray's object store.
 """
 
@@ -170,7 +175,93 @@ def _object_store_publication() -> dict:
     return {"bytes": loaded[0], "seconds": seconds}
 
 
-JOBS = {"step": _step_job, "publish": _publish_job}
+def _preset_batch(folder, vocab: int):
+    """The default preset's batch shape: 8 arithmetic prompts (chat template) x 8 responses of
+    4..16 random tokens (the preset's max_new_tokens is 16), right-padded."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from learner.batch import TrainBatch
+    from rollout.tasks import arithmetic_split
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    rows = []
+    for problem in arithmetic_split("train", 8):
+        ids = tok.apply_chat_template([{"role": "user", "content": problem.prompt}], add_generation_prompt=True, tokenize=True)
+        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        for _ in range(8):
+            rows.append((prompt, torch.randint(0, vocab, (rng.randint(4, 16),), generator=g).tolist()))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, len(p) : len(p) + len(r)] = True
+    adv = torch.tensor([1.0, -1.0] * (len(rows) // 2))[:, None] * mask
+    return TrainBatch(ids, mask, torch.full(ids.shape, -3.0) * mask, adv)
+
+
+def _preset_job(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    from learner import distributed
+    from learner.config import LearnerConfig, OptimizerConfig
+    from learner.learner import Learner
+    from objectives.config import DRPOConfig
+    from rollout.offline_model import materialize_smollm2
+
+    folder = materialize_smollm2()
+    cfg = LearnerConfig(
+        objective=DRPOConfig(delta=0.2), optimizer=OptimizerConfig(lr=1e-6), precision=spec["precision"], packing=spec["packing"],
+        micro_batch_size=16, micro_batch_tokens=4096,
+    )
+    distributed.init(cfg.parallel, 0, 1, master_port=distributed.free_port())
+    learner = Learner.from_hf_folder(cfg, folder)
+    batch = _preset_batch(folder, learner.arch.vocab_size)
+    learner.train_step(batch)  # warm-up
+    before = reset_peak()
+    times, metrics = [], None
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        metrics = learner.train_step(batch)
+        times.append(time.perf_counter() - t0)
+    return {
+        "seconds": statistics.median(times), "peak_mib": peak_mib_since(before),
+        "forward_tokens": metrics.values["learner/forward_tokens"], "padding_frac": metrics.values["learner/padding_frac"],
+    }
+
+
+PRESET_VARIANTS = {
+    "fp32 none": {"precision": "fp32", "packing": "none"},
+    "bf16 none": {"precision": "bf16", "packing": "none"},
+    "fp32 shared_prompt": {"precision": "fp32", "packing": "shared_prompt"},
+    "bf16 shared_prompt": {"precision": "bf16", "packing": "shared_prompt"},
+}
+
+
+def _print_preset(rounds: int, steps: int) -> None:
+    specs = {label: dict(v, steps=steps) for label, v in PRESET_VARIANTS.items()}
+    res = interleaved_medians("benchmarks.learner.run", "preset", specs, rounds, ("seconds", "peak_mib", "forward_tokens", "padding_frac"))
+    print(f"Default preset learner step, SmolLM2-135M, 8 groups x 8 samples, DRPO; median of {rounds} interleaved rounds")
+    base = res.get("fp32 none", {})
+    for label, r in res.items():
+        if "error" in r:
+            print(f"  {label:20s} {r['error']}")
+            continue
+        ratio = ""
+        if "seconds" in base and label != "fp32 none":
+            ratio = f"   speed x{base['seconds'] / r['seconds']:.2f}   peak RSS x{r['peak_mib'] / base['peak_mib']:.2f}"
+        print(
+            f"  {label:20s} {r['seconds']:7.2f} s/step {r['peak_mib']:8.0f} MiB  forward tokens {r['forward_tokens']:6.0f}"
+            f"  padding {r['padding_frac']:.3f}{ratio}"
+        )
+
+
+JOBS = {"step": _step_job, "publish": _publish_job, "preset": _preset_job}
 
 
 def main() -> int:
@@ -178,12 +269,14 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only", choices=["step", "publish"])
+    parser.add_argument("--only", choices=["preset", "step", "publish"])
     args = parser.parse_args()
     if args.worker:
         kind, spec = args.worker
         print(json.dumps(JOBS[kind](json.loads(spec))))
         return 0
+    if args.only in (None, "preset"):
+        _print_preset(args.rounds, args.steps)
     if args.only in (None, "step"):
         specs = {impl: {"impl": impl, "steps": args.steps} for impl in ("transformers", "drpo")}
         res = interleaved_medians("benchmarks.learner.run", "step", specs, args.rounds, ("seconds", "peak_mib"))

@@ -1,0 +1,103 @@
+"""Packed micro-batches (learner/packing.py) equal the unpacked computation: per-token log-probs,
+loss and gradients, for packing=sequences and for a group's prompt shared by its samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from learner import bridge, packing
+from learner import model as modeling
+from learner.batch import TrainBatch
+from learner.config import LearnerConfig, OptimizerConfig
+from learner.learner import Learner
+from objectives.config import DRPOConfig
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+PAD = 5
+
+
+def _learner(**cfg) -> Learner:
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY))
+    arch = modeling.ModelArch.from_hf_config(hf.config.to_dict())
+    base = dict(objective=DRPOConfig(delta=0.2), optimizer=OptimizerConfig(lr=1e-3, grad_clip=None), micro_batch_size=3)
+    return Learner(LearnerConfig(**{**base, **cfg}), arch, bridge.hf_to_megatron(hf.state_dict(), arch))
+
+
+def _grouped_batch(seed: int = 0) -> TrainBatch:
+    """3 groups of 4 samples: prompts of 5, 7 and 4 tokens shared within a group, responses of
+    1 to 9 tokens, right-padded to one width (an empty-response row included)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for plen, lens in ((5, (3, 9, 1, 6)), (7, (2, 2, 8, 4)), (4, (5, 0, 7, 3))):
+        prompt = torch.randint(0, TINY["vocab_size"], (plen,), generator=g)
+        for r in lens:
+            rows.append((prompt, torch.randint(0, TINY["vocab_size"], (r,), generator=g)))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p)], ids[i, len(p) : len(p) + len(r)] = p, r
+        mask[i, len(p) : len(p) + len(r)] = True
+    rollout = torch.where(mask, -2.0 + 0.3 * torch.randn(ids.shape, generator=g), 0.0)
+    adv = torch.randn(len(rows), 1, generator=g).expand_as(ids) * mask
+    return TrainBatch(ids, mask, rollout, adv)
+
+
+def _grad_norm_and_logp(learner: Learner, batch: TrainBatch):
+    """One update's loss and grad norm, and pi before it at the response tokens."""
+    learner.model.eval()
+    with torch.no_grad():
+        pieces = [(mb, learner._packed_logprobs(p, mb.input_ids, mb.response_mask, None)) for mb, p in learner._micro_batches(batch)]
+    logp = torch.zeros(batch.input_ids.shape)
+    for rows, (_, stats) in zip(learner._rows(batch), pieces):
+        logp[rows] = stats.logp
+    metrics = learner.train_step(batch)
+    return logp, metrics
+
+
+@pytest.mark.parametrize("mode", ["sequences", "shared_prompt"])
+def test_packed_micro_batches_equal_unpacked_logprobs_loss_and_gradients(megatron_single_rank, mode):
+    batch = _grouped_batch()
+    ref_logp, ref = _grad_norm_and_logp(_learner(), batch)
+    logp, got = _grad_norm_and_logp(_learner(packing=mode, micro_batch_tokens=40), batch)
+    mask = batch.response_mask
+    torch.testing.assert_close(logp[mask], ref_logp[mask], atol=2e-5, rtol=1e-5)
+    assert abs(got.loss - ref.loss) < 1e-5 * max(1.0, abs(ref.loss))
+    assert abs(got.grad_norm - ref.grad_norm) < 1e-5 * ref.grad_norm
+    assert got.values["learner/padding_frac"] < ref.values["learner/padding_frac"]
+    # the prompt computed once per group: fewer forward slots than the sequences alone hold
+    if mode == "shared_prompt":
+        assert got.values["learner/forward_tokens"] < int(packing.spans(mask)[1].sum())
+
+
+def test_shared_prompt_layout_sees_the_prompt_and_its_own_response_only():
+    batch = _grouped_batch()
+    plan = packing.micro_batches(batch.input_ids, batch.response_mask, "shared_prompt", token_budget=10_000)
+    assert sorted(r for rows, _ in plan for r in rows) == list(range(12))
+    (rows, packed), = plan
+    # group 0 (rows 0..3) is one segment: its prompt's 5 tokens once, then 3 + 9 + 1 + 6 response tokens
+    seg = [int(s) for s in packed.source[0, 1:6]]  # row 0's prompt tokens 0..4 predict tokens 1..5
+    same = [int(s) for s in packed.source[1, 1:6]]
+    assert seg == same  # the other samples read the same (shared) prompt states
+    # row 1's first response token is predicted from the shared last prompt state; its later
+    # tokens from its own response, which row 0 never sees
+    r, w = packed.input_ids.shape
+    own = packed.source[1, 6:5 + 9]
+    q = int(own[-1])
+    mask = packed.attention_mask.reshape(r, w, w)[q // w, q % w]
+    row0_response = packed.source[0, 7:5 + 3]  # states of row 0's response tokens
+    assert bool(mask[row0_response % w].all())
+    assert not bool(mask[torch.tensor(seg) % w].any())
+    assert packed.position_ids.reshape(-1)[own].tolist() == list(range(5, 13))
+
+
+def test_a_group_whose_prompts_differ_is_not_shared():
+    batch = _grouped_batch()
+    ids = batch.input_ids.clone()
+    ids[1, 0] = (ids[1, 0] + 1) % TINY["vocab_size"]  # row 1's prompt is not row 0's
+    prompt, lengths = packing.spans(batch.response_mask)
+    segs = packing.segments(ids, lengths, prompt, "shared_prompt")
+    assert [s.rows for s in segs] == [(0,), (1,), (2, 3), (4, 5, 6, 7), (9,), (8, 10, 11)]  # row 9 is empty
