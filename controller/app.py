@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +53,10 @@ def make_backend(cfg: RunConfig):
     return RayBackend(cfg)
 
 
-def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
-    """Run (or with ``resume``, continue from the run folder's latest checkpoint) to ``train.steps``."""
+def train(cfg: RunConfig, resume: bool = False, backend=None, startup: dict[str, float] | None = None) -> RunResult:
+    """Run (or with ``resume``, continue from the run folder's latest checkpoint) to ``train.steps``.
+    ``startup``: seconds already spent starting (e.g. ``ray_seconds``), for the start-up record."""
+    began = time.monotonic()
     run_dir = Path(cfg.run_dir)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
@@ -69,6 +72,7 @@ def train(cfg: RunConfig, resume: bool = False, backend=None) -> RunResult:
             logger.close()
         raise
     telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now, loggers)
+    telemetry.startup_phase(**(startup or {}), backend_seconds=time.monotonic() - began)
     for path, rows in skipped.items():
         telemetry.dataset_rows_skipped(path, rows)
         print(f"drpo train: skipped {len(rows)} bad rows of {path} (first: row {rows[0][0]}: {rows[0][1]}); all in metrics.jsonl", file=sys.stderr)

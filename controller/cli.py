@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -66,15 +67,18 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
+    startup = {}
     if cfg.simulation is None:
+        began = time.monotonic()
         _init_ray(cfg)
+        startup["ray_seconds"] = time.monotonic() - began
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
     from controller.backend import LearnerLost
 
     from learner.checkpoint import CheckpointError
 
     try:
-        result = train(cfg, resume=bool(args.resume))
+        result = train(cfg, resume=bool(args.resume), startup=startup)
     except LearnerLost as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 1

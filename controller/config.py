@@ -73,7 +73,9 @@ class RolloutConfig(_Config):
     max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
     max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts fail their group (recorded, not trained on).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the learner takes log-probs at the same one).")
-    max_batch_prompts: int = Field(8, ge=1, description="Queued prompts a worker generates together in one engine call.")
+    max_batch_prompts: int = Field(
+        8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
+    )
     reward: Literal["literal", "math_verify"] = Field("literal", description="Reward function.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
@@ -124,13 +126,19 @@ class EvalConfig(_Config):
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
     temperature: float | None = Field(None, gt=0.0, description="Sampling temperature of evaluation; None = rollout.temperature.")
     greedy: bool = Field(False, description="Greedy decoding (the most likely token), e.g. for pass@1 without sampling noise.")
+    concurrent: bool = Field(
+        True,
+        description="True: an evaluation runs on rollout capacity while the learner keeps training (workers generate training "
+        "groups first; the record names the version evaluated). False: the run waits for it before the next step, which is "
+        "faster when rollout and learner share the same cores (a 2-core machine).",
+    )
 
 
 class CheckpointConfig(_Config):
     every: int = Field(10, ge=0, description="Checkpoint every this many steps (0 = only at the end).")
     keep: int = Field(2, ge=1, description="Checkpoints kept (oldest deleted first).")
     hf: bool = Field(False, description="At the end of the run, also write the last checkpoint as a Hugging Face folder (RUN_DIR/hf/step-N).")
-    hf_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype of that folder (the learner trains in fp32).")
+    hf_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype of that folder (a bf16 learner's weights are exact in fp32 and bf16).")
 
 
 class MetricsConfig(_Config):

@@ -92,7 +92,10 @@ class Controller:
     def run(self) -> None:
         """admit → generate → score → train → publish → evaluate → checkpoint, until the last step."""
         if self.cfg.eval.at_start and self.step == 0 and self.test:
+            began = self.backend.now()
             self.evaluate(blocking=True)
+            self.telemetry.startup_phase(first_eval_seconds=self.backend.now() - began)
+        self.telemetry.startup_done()
         while self.step < self.cfg.train.steps:
             self.admit()
             self.handle(self.backend.wait())
@@ -221,7 +224,7 @@ class Controller:
             ledger=self.ledger.counts(),
         ))
         if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.test:
-            self.evaluate(blocking=False)
+            self.evaluate(blocking=not self.cfg.eval.concurrent)
         if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.cfg.train.steps:
             self.checkpoint()
 

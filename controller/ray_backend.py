@@ -21,6 +21,7 @@ from controller.backend import Backend, Events, LearnerLost, TrainResult
 from controller.config import RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
+from learner.publish import DEFAULT_BUCKET_BYTES
 from rollout.records import Ticket
 from rollout.tasks import Problem
 from rollout.worker import RolloutWorker
@@ -29,6 +30,9 @@ PROBE_SECONDS = 5.0
 """How often wait() wakes to probe dead workers when nothing else happens."""
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 """vLLM refuses requests for more log-probs than its engine's max_logprobs (20 unless raised)."""
+PUBLISH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float32"}
+"""The dtype weights are published in, by engine precision: what the engine holds (bf16 halves the
+bytes moved); fp8 engines quantize from full precision."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
@@ -41,9 +45,6 @@ class RayBackend(Backend):
         self.cfg = cfg
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
-        self.learner = LearnerGroup(
-            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads
-        ) if learner else None
         self.workers = ro.workers
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
@@ -71,6 +72,10 @@ class RayBackend(Backend):
             )
             for i in range(ro.workers)
         ]
+        # the engines load while the learner group builds its model (start-up is their maximum, not their sum)
+        self.learner = LearnerGroup(
+            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads
+        ) if learner else None
         beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
         self.placement = {
             "learner": ray.get([w.node_id.remote() for w in self.learner.workers]) if self.learner else [],
@@ -169,7 +174,7 @@ class RayBackend(Backend):
 
     def publish(self, version: int, wait: bool) -> float:
         started = time.monotonic()
-        publication = self._learner_call(self.learner.publish)
+        publication = self._learner_call(self.learner.publish, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
         self._publication = publication
         if publication.version != version:
             raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")

@@ -60,6 +60,8 @@ class Telemetry:
         self._group_tokens = self._groups = 0
         self.worker_events: dict[str, int] = {}
         self.loggers = list(loggers)
+        self._startup: dict[str, float] = {}
+        self._startup_written = False
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -105,6 +107,17 @@ class Telemetry:
         self._publish(values, record)
         for logger in self.loggers:
             logger.log(values, record["step"])
+
+    def startup_phase(self, **seconds: float) -> None:
+        """Seconds spent in start-up phases (Ray, engines and learner, the first evaluation);
+        written as one ``startup`` record when ``startup_done`` is called."""
+        self._startup.update(seconds)
+
+    def startup_done(self) -> None:
+        """Everything before the first training step is over: record where its time went."""
+        if self._startup and not self._startup_written:
+            self._startup_written = True
+            self._write({"kind": "startup", "time": self.clock(), **self._startup, "total_seconds": sum(self._startup.values())})
 
     def placement(self, nodes: dict[str, list[str]]) -> None:
         """Which Ray node each learner rank and rollout worker runs on."""
@@ -171,6 +184,8 @@ class Telemetry:
                 got = [s[key] for s in self.steps if key in s and not math.isnan(s[key])]
                 return sum(got) / len(got) if got else math.nan
 
+            if self._startup:
+                rows.append(("start-up seconds", ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}" for k, v in self._startup.items())))
             rows += [
                 ("steps this session", f"{len(self.steps)} (to step {self.steps[-1]['step']})"),
                 ("seconds per step", f"{mean('step_seconds'):.1f}"),

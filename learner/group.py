@@ -62,8 +62,10 @@ class LearnerGroup:
         outs = ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
         return torch.cat([outs[r * self.cfg.parallel.tensor].logp for r in range(dp)])
 
-    def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Publication:
-        results = ray.get([w.publish.remote(max_bytes) for w in self.workers])
+    def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = None) -> Publication:
+        """The current weights through the object store; ``dtype`` (torch dtype name): the engines'
+        weight dtype (None: the learner's own)."""
+        results = ray.get([w.publish.remote(max_bytes, dtype) for w in self.workers])
         return results[0]
 
     def join_broadcast(self, host: str, port: int, world_size: int) -> None:

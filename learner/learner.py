@@ -89,13 +89,16 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.tp_rank, self.tp_size = tp_rank_size()
         module = modeling.build_gpt(arch, expert_parallel=cfg.parallel.expert, tensor_parallel=cfg.parallel.tensor, precision=cfg.precision)
-        if weights is not None:
-            self._load_full(module, weights)
+        loaded = self._load_full(module, weights) if weights is not None else {}
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=torch.cuda.is_available()
         )
         self.model = DistributedDataParallel(module.config, ddp_config, module)
-        self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size, bf16=cfg.precision == "bf16")
+        # bf16: the optimizer's fp32 main parameters start from the weights as given, not from their
+        # bf16 rounding (which would put every main parameter on the bf16 grid, where updates much
+        # smaller than half a bf16 step leave the bf16 weights unchanged for many steps)
+        main = {id(p): loaded[name] for name, p in module.named_parameters() if name in loaded}
+        self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size, bf16=cfg.precision == "bf16", initial=main)
         self.device = next(self.module.parameters()).device
         self.step_count = 0
         self.version = 0
@@ -111,7 +114,8 @@ class Learner:
     def module(self):
         return self.model.module
 
-    def _load_full(self, module, weights: dict[str, torch.Tensor]) -> None:
+    def _load_full(self, module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Load full weights (sharded here); returns this rank's shards at their given precision."""
         from megatron.core import parallel_state
 
         own = module.state_dict()
@@ -128,6 +132,7 @@ class Learner:
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing:
             raise KeyError(f"weights missing for {missing[:5]}")
+        return shards
 
     def _output_weight(self) -> torch.Tensor:
         weight = modeling.output_weight(self.module)

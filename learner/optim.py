@@ -61,17 +61,22 @@ class TorchAdamW:
     computes with (megatron-core's standard scheme). The main parameters are part of the state
     dict, so a resumed run continues from the same fp32 values, not from their bf16 rounding."""
 
-    def __init__(self, model, cfg: OptimizerConfig, tp_size: int):
+    def __init__(self, model, cfg: OptimizerConfig, tp_size: int, initial: dict[int, torch.Tensor] | None = None):
+        """``initial``: fp32 starting values of main parameters by ``id(param)`` (the weights as
+        loaded, before their bf16 rounding); a parameter without one starts from its own value."""
         self.cfg, self.tp_size = cfg, tp_size
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.main = [self._main_copy(p) for p in self.params] if self.mixed else self.params
+        initial = initial or {}
+        self.main = [self._main_copy(p, initial.get(id(p))) for p in self.params] if self.mixed else self.params
         self.optimizer = torch.optim.AdamW(self.main, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
 
     @staticmethod
-    def _main_copy(p: torch.Tensor) -> torch.Tensor:
-        main = p.detach().float().clone()
+    def _main_copy(p: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+        if start is not None and start.shape != p.shape:
+            raise ValueError(f"initial main parameter of shape {tuple(start.shape)} for a parameter of shape {tuple(p.shape)}")
+        main = (p.detach() if start is None else start).float().clone()
         for attr in ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride"):  # read by global_grad_norm
             if hasattr(p, attr):
                 setattr(main, attr, getattr(p, attr))
@@ -160,6 +165,9 @@ class MegatronDistributedAdam:
         raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
 
 
-def build(model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False):
-    """bf16: the model's parameters are bf16 and the optimizer keeps fp32 main parameters."""
-    return MegatronDistributedAdam(model, cfg, tp_size, bf16) if torch.cuda.is_available() else TorchAdamW(model, cfg, tp_size)
+def build(model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False, initial: dict[int, torch.Tensor] | None = None):
+    """bf16: the model's parameters are bf16 and the optimizer keeps fp32 main parameters, starting
+    from ``initial`` (CPU path; megatron's optimizer copies its main parameters from the model)."""
+    if torch.cuda.is_available():
+        return MegatronDistributedAdam(model, cfg, tp_size, bf16)
+    return TorchAdamW(model, cfg, tp_size, initial)

@@ -44,11 +44,15 @@ class LearnerWorker:
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return self.learner.compute_logprobs(input_ids)
 
-    def _send_buckets(self, max_bytes: int, send) -> publish.Publication | None:
+    def _send_buckets(self, max_bytes: int, send, dtype: str | None = None) -> publish.Publication | None:
         """Stream the weights as buckets through ``send`` on rank 0; every other rank only takes
-        part in the tensor-parallel gathers, which happen lazily, layer by layer."""
+        part in the tensor-parallel gathers, which happen lazily, layer by layer. ``dtype`` (a
+        torch dtype name, e.g. "bfloat16"): the engines' weight dtype, cast to before sending."""
         started = time.perf_counter()
         named = self.learner.hf_named_tensors()
+        if dtype is not None:
+            cast = getattr(torch, dtype)
+            named = ((name, t.to(cast)) for name, t in named)
         if self.rank != 0:
             for _ in named:
                 pass
@@ -61,9 +65,9 @@ class LearnerWorker:
             nbytes += bucket.nbytes
         return publish.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
 
-    def publish(self, max_bytes: int) -> publish.Publication | None:
-        """Put the weights in the object store (rank 0); the Publication carries the refs."""
-        return self._send_buckets(max_bytes, ray.put)
+    def publish(self, max_bytes: int, dtype: str | None = None) -> publish.Publication | None:
+        """Put the weights in the object store (rank 0), as ``dtype``; the Publication carries the refs."""
+        return self._send_buckets(max_bytes, ray.put, dtype)
 
     def join_broadcast(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the weight broadcast group with the engines (rank 0 of that group hosts it)."""

@@ -1,9 +1,9 @@
 """The ``hf`` engine: plain transformers with a KV cache and batched sampling. The light default.
 
 Log-probs are *processed*: log softmax(logits / T) of the full vocabulary, exactly the distribution
-each token is sampled from (no top-p/top-k truncation). Prompts are left-padded into one batch of
-len(prompts) * n rows; finished rows keep decoding padding until every row stops, and their extra
-tokens are dropped.
+each token is sampled from (no top-p/top-k truncation). Prompts are left-padded and prefilled once
+each; the KV cache is then repeated for the n samples, decoded as one batch of len(prompts) * n
+rows; finished rows keep decoding padding until every row stops, and their extra tokens are dropped.
 
 Weight updates are staged bucket by bucket and swapped in between two decoding steps, under a lock,
 when the publication's last bucket arrives; the KV cache of tokens already decoded is kept (as
@@ -21,6 +21,18 @@ import torch
 
 from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8
+
+
+def sample_categorical(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of log-probs [rows, V], by inverting the float64 CDF at a uniform draw.
+
+    Exact for the categorical softmax(logits / T) (a token of probability 0 is never drawn: the CDF
+    does not rise at it), and ~15x faster than torch.multinomial on CPU, whose exponential draws
+    over the whole vocabulary cost more than the model's decoding step (measured: 67 ms per call at
+    64 x 49,152)."""
+    cdf = logp.double().exp_().cumsum_(dim=-1)
+    u = torch.rand((logp.shape[0], 1), dtype=torch.float64, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
 
 
 class HFEngine(Engine):
@@ -98,9 +110,11 @@ class HFEngine(Engine):
         self.check_prompts(prompts)
         self._apply_pending()
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        width = max(len(p) for p in prompts)
+        # the prompts are prefilled once each; their KV cache and first logits are then repeated
+        # for the n samples (each prompt's n rows are identical until the first sampled token)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         tokens, logps, versions, tops = [], [], [], []
         done = torch.zeros(len(rows), dtype=torch.bool)
@@ -113,8 +127,12 @@ class HFEngine(Engine):
             positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_input.shape[1]:]
             out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
             past = getattr(out, self._cache_arg)
-            logp = torch.log_softmax(out.logits[:, -1].float() / params.temperature, dim=-1)
-            token = logp.argmax(-1) if params.greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            logits = out.logits[:, -1]
+            if step == 0 and params.n > 1:
+                past.batch_repeat_interleave(params.n)
+                logits, mask = logits.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
+            logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+            token = logp.argmax(-1) if params.greedy else sample_categorical(logp, gen)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logps.append(logp.gather(1, token[:, None]).squeeze(1))

@@ -12,7 +12,6 @@ malformed engine output fails its own group (``error``), never the worker.
 from __future__ import annotations
 
 import dataclasses
-import queue
 import random
 import threading
 import time
@@ -59,6 +58,53 @@ def completion_problem(c: Completion, topk: int) -> str | None:
     return None
 
 
+class _Inbox:
+    """Queued (ticket, problem, n) submissions: training first, then evaluation, each in order."""
+
+    def __init__(self) -> None:
+        self._queues: tuple[list, list] = ([], [])  # training, evaluation
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, item: tuple[Ticket, Problem, int]) -> None:
+        with self._cond:
+            self._queues[isinstance(item[0], EvalTicket)].append(item)
+            self._cond.notify()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def drain(self) -> list[tuple[Ticket, Problem, int]]:
+        with self._cond:
+            items = self._queues[0] + self._queues[1]
+            self._queues[0].clear()
+            self._queues[1].clear()
+            return items
+
+    def take(self, limit) -> list[tuple[Ticket, Problem, int]] | None:
+        """Block for the next submissions to generate together: the head of the first non-empty
+        queue and what follows it with the same n, at most ``limit(n)``; None once closed."""
+        with self._cond:
+            while not self._closed and not any(self._queues):
+                self._cond.wait()
+            if self._closed:
+                return None
+            q = self._queues[0] if self._queues[0] else self._queues[1]
+            n = q[0][2]
+            count = 1
+            while count < min(len(q), limit(n)) and q[count][2] == n:
+                count += 1
+            batch = q[:count]
+            del q[:count]
+            return batch
+
+
 class RolloutWorker:
     """Create with ``ray.remote(RolloutWorker)``; every method returns quickly."""
 
@@ -68,8 +114,9 @@ class RolloutWorker:
         eval_sampling: dict | None = None, **engine_kwargs,
     ):
         """``sampling``: SamplingParams fields (``topk_logprobs`` applies to training groups only);
-        ``max_batch_prompts``: queued prompts of the same kind generated together in one engine
-        call (more rows per decoding step); ``max_prompt_tokens``: longer prompts fail their group;
+        ``max_batch_prompts``: queued training prompts generated together in one engine
+        call (more rows per decoding step); evaluation prompts fill as many rows (max_batch_prompts
+        x n of them at one sample each); ``max_prompt_tokens``: longer prompts fail their group;
         ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests; ``worker_id``:
         the index its records carry; ``eval_sampling``: SamplingParams fields that differ for
         evaluation groups (temperature, greedy)."""
@@ -81,7 +128,7 @@ class RolloutWorker:
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
         self.chaos = dict(chaos or {})
         self._chaos_rng = random.Random(self.chaos.pop("seed", 0))
-        self._inbox: queue.Queue[tuple[Ticket, Problem, int] | None] = queue.Queue()
+        self._inbox = _Inbox()
         self._outbox: list[Group] = []
         self._started: list[Started] = []
         self._lock = threading.Lock()
@@ -91,7 +138,9 @@ class RolloutWorker:
         self._thread.start()
 
     def submit(self, ticket: Ticket, problem: Problem, n: int | None = None) -> int:
-        """Queue one problem for ``n`` samples (default the sampling's) under ``ticket``; returns the queue depth."""
+        """Queue one problem for ``n`` samples (default the sampling's) under ``ticket``; returns the
+        queue depth. Training prompts are generated before queued evaluation prompts, so an
+        evaluation runs on rollout capacity the next training step does not need."""
         self._inbox.put((ticket, problem, n or self.sampling.n))
         return self._inbox.qsize()
 
@@ -104,16 +153,7 @@ class RolloutWorker:
 
     def cancel_queued(self) -> list[Ticket]:
         """Take back every queued submission not yet started; returns their tickets."""
-        taken, keep = [], []
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            (keep if item is None else taken).append(item)
-        for item in keep:
-            self._inbox.put(item)
-        return [ticket for ticket, _, _ in taken]
+        return [ticket for ticket, _, _ in self._inbox.drain()]
 
     def poll(self, timeout_s: float = 0.0) -> tuple[list[Group], list[Started]]:
         """Finished groups and started submissions, waiting up to ``timeout_s`` for either."""
@@ -157,23 +197,14 @@ class RolloutWorker:
             }
 
     def shutdown(self) -> None:
-        self._inbox.put(None)
+        self._inbox.close()
 
     def _loop(self) -> None:
+        rows = self.max_batch_prompts * self.sampling.n  # an engine call's rows: evaluation (n = 1) batches more prompts
         while True:
-            item = self._inbox.get()
-            if item is None:
+            batch = self._inbox.take(lambda n: max(1, rows // n))
+            if batch is None:
                 return
-            batch = [item]
-            while len(batch) < self.max_batch_prompts:  # more of the same kind, if already queued
-                try:
-                    nxt = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None or type(nxt[0]) is not type(item[0]) or nxt[2] != item[2]:
-                    self._inbox.put(nxt)  # order across kinds is not promised; shutdown still arrives
-                    break
-                batch.append(nxt)
             version = self.engine.version
             with self._lock:
                 self._in_flight += len(batch)

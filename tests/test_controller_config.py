@@ -36,7 +36,10 @@ def test_every_config_file_in_the_repo_loads(path):
 def test_the_default_preset_is_the_embedded_default():
     cfg = load_config()
     assert cfg.model.path is None and cfg.task.type == "arithmetic" and cfg.rollout.engine == "hf"
-    assert cfg.learner.objective.type == "drpo" and cfg.train.mode == "async" and cfg.metrics.host == "127.0.0.1"
+    assert cfg.learner.objective.type == "drpo" and cfg.train.mode == "sync" and cfg.metrics.host == "127.0.0.1"
+    assert cfg.train.max_staleness == 0 and cfg.learner.precision == "bf16" and cfg.learner.packing == "shared_prompt"
+    # async from the command line gets the staleness bound 1 the preset leaves to the mode
+    assert load_config(overrides=["train.mode=async"]).train.max_staleness == 1
 
 
 def test_overrides_apply_with_yaml_types():

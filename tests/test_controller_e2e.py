@@ -112,3 +112,31 @@ def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "accuracy": 0.5}\n{not json\n')
     assert main(["report", str(tmp_path)]) == 2
     assert "no step records (1 unreadable lines)" in capsys.readouterr().err
+
+
+def test_sync_run_with_a_bf16_packed_learner_shares_prompts_and_waits_for_its_evaluations(ray_local, tiny_chat_model, tmp_path):
+    """The default preset's learner shape through drpo train: bf16 mixed precision, each group's
+    prompt packed once, evaluations that the run waits for (eval.concurrent=false)."""
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4, mode="sync")
+    cfg = cfg.model_copy(update={
+        "learner": cfg.learner.model_copy(update={"precision": "bf16", "packing": "shared_prompt", "micro_batch_tokens": 64}),
+        "eval": cfg.eval.model_copy(update={"concurrent": False}),
+    })
+    result = train(cfg)
+    run_dir = tmp_path / "run"
+    steps = records(run_dir, "step")
+    assert [s["version"] for s in steps] == [1, 2, 3, 4] and all(s["staleness/lag_max"] == 0 for s in steps)
+    # a group's 4 samples share a ~40-token chat prompt: far fewer forward slots than 8 full rows
+    for s in steps:
+        rows = s["learner/tokens"] + cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * 40
+        assert s["learner/forward_tokens"] < 0.5 * rows and 0 <= s["learner/padding_frac"] < 0.5
+    assert all(math.isfinite(s["learner/grad_norm"]) and s["learner/grad_norm"] > 0 for s in steps)
+    # the evaluation after step 2 finished before step 3 began, and evaluated version 2
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    order = [(r["kind"], r.get("step")) for r in lines if r["kind"] in ("step", "eval")]
+    assert order.index(("eval", 2)) < order.index(("step", 3))
+    assert [e["version"] for e in records(run_dir, "eval")] == [0, 2, 4]
+    (startup,) = records(run_dir, "startup")
+    assert startup["backend_seconds"] > 0 and startup["first_eval_seconds"] > 0
+    assert startup["total_seconds"] >= startup["backend_seconds"] + startup["first_eval_seconds"]
+    assert result.eval_history[-1]["version"] == 4

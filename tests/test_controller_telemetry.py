@@ -49,7 +49,7 @@ def test_drpo_train_simulate_writes_metrics_and_a_summary(tmp_path, capsys):
     run_dir = tmp_path / "sim"
     code = main([
         "train", "--simulate", "--set", f"run_dir={run_dir}", "--set", "train.steps=6", "--set", "rollout.workers=8",
-        "--set", "train.max_staleness=2", "--set", "eval.every=3", "--set", "metrics.port=null",
+        "--set", "train.mode=async", "--set", "train.max_staleness=2", "--set", "eval.every=3", "--set", "metrics.port=null",
     ])
     assert code == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

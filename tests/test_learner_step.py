@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from learner import bridge, checkpoint, publish
+from learner import bridge, checkpoint, packing, publish
 from learner import model as modeling
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.batch import TrainBatch
@@ -80,8 +80,42 @@ def test_drpo_steps_on_smollm2_completions_move_logprobs_with_the_advantage(mega
     assert "gap/kl_k3" in metrics.values and "objective/weight_hist/bin_0" in metrics.values
 
 
-def test_resume_reproduces_the_next_step_exactly(megatron_single_rank, tmp_path):
-    cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10), micro_batch_size=2)
+BF16_LOGP_TOLERANCE = 0.25
+"""Largest |log pi_bf16 - log pi_fp32| at SmolLM2's response tokens that the bf16 learner may show
+(measured here: mean ~0.02, max ~0.1 over 8 sampled completions; bf16 keeps 8 mantissa bits)."""
+
+
+def test_bf16_learner_agrees_with_fp32_and_drpo_moves_logprobs_with_the_advantage(megatron_single_rank, smollm2_folder, smollm2_completions):
+    ids, mask, rollout = smollm2_completions
+    cfg = LearnerConfig(
+        objective=DRPOConfig(delta=12.5), optimizer=OptimizerConfig(lr=2e-5, grad_clip=1.0), precision="bf16", packing="shared_prompt",
+    )
+    learner = Learner.from_hf_folder(cfg, smollm2_folder)
+    assert next(learner.module.parameters()).dtype == torch.bfloat16
+    before = learner.compute_logprobs(ids).logp
+    assert before.dtype == torch.float32
+    gap = (before - rollout)[mask].abs()  # rollout: the fp32 transformers sampler's own log-probs
+    print(f"bf16 learner vs fp32 sampler: mean |dlogp| {gap.mean():.4f}, max {gap.max():.4f}")
+    assert 0 < gap.max().item() < BF16_LOGP_TOLERANCE and gap.mean().item() < 0.05
+    sign = torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)[:, None]
+    batch = TrainBatch(ids, mask, rollout, sign.expand_as(rollout).contiguous())
+    for _ in range(3):
+        metrics = learner.train_step(batch)
+    after = learner.compute_logprobs(ids).logp
+    change = ((after - before) * mask).sum(1) / mask.sum(1)
+    assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
+    # the shared prompts (2 samples each) were computed once: fewer forward slots than the rows hold
+    assert metrics.values["learner/forward_tokens"] < int(packing.spans(mask)[1].sum())
+    # the optimizer's fp32 main parameters are what the bf16 weights are rounded from
+    main = learner.optimizer.main[0]
+    assert main.dtype == torch.float32 and torch.equal(main.to(torch.bfloat16), learner.optimizer.params[0].detach())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_reproduces_the_next_step_exactly(megatron_single_rank, tmp_path, precision):
+    cfg = LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=10), micro_batch_size=2, precision=precision,
+    )
     first = _tiny_learner(cfg)
     batch = _tiny_batch(first)
     for _ in range(2):
@@ -95,6 +129,9 @@ def test_resume_reproduces_the_next_step_exactly(megatron_single_rank, tmp_path)
     assert (got.step, got.version) == (expected.step, expected.version) == (3, 3)
     for (name, a), (_, b) in zip(first.full_megatron_state().items(), resumed.full_megatron_state().items()):
         assert torch.equal(a, b), name
+    if precision == "bf16":  # the fp32 main parameters came back too, not their bf16 rounding
+        assert all(torch.equal(a, b) for a, b in zip(first.optimizer.main, resumed.optimizer.main))
+        assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in resumed.optimizer.main)
 
 
 def test_checkpoint_write_failure_keeps_the_previous_checkpoint(megatron_single_rank, tmp_path, monkeypatch):

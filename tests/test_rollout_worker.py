@@ -45,3 +45,26 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     assert group.ticket == EvalTicket(0, problems[0].id) and group.started_version <= group.oldest_version == 4
     assert all((s.completion.versions == 4).all() and s.completion.topk_ids is None for s in group.samples)  # eval: no top-K
     assert ray.get(worker.heartbeat.remote())["version"] == 4
+
+
+def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
+    """A worker's queue: training prompts first (an evaluation never delays the learner's next
+    batch), each kind in submission order; evaluation (1 sample each) takes as many prompts as
+    the rows training uses."""
+    from rollout.worker import _Inbox
+
+    inbox = _Inbox()
+    evals = [(EvalTicket(0, f"e{i}"), Problem(f"e{i}", "q", "1"), 1) for i in range(20)]
+    trains = [(TrainTicket(0, f"t{i}"), Problem(f"t{i}", "q", "1"), 8) for i in range(3)]
+    for item in evals[:10] + trains + evals[10:]:
+        inbox.put(item)
+
+    def limit(n):
+        return max(1, 2 * 8 // n)  # max_batch_prompts=2 prompts of 8 samples: 16 rows
+
+    assert [t.id for t, _, _ in inbox.take(limit)] == ["t0", "t1"]
+    assert [t.id for t, _, _ in inbox.take(limit)] == ["t2"]
+    assert [t.id for t, _, _ in inbox.take(limit)] == [f"e{i}" for i in range(16)]
+    assert inbox.qsize() == 4 and [t.id for t, _, _ in inbox.drain()] == ["e16", "e17", "e18", "e19"]
+    inbox.close()
+    assert inbox.take(limit) is None

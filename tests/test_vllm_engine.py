@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner import publish
-from rollout.engine import SamplingParams
+from rollout.engine import Completion, SamplingParams
 from tests.engine_checks import recompute_logp
 
 pytestmark = pytest.mark.engine
@@ -21,8 +21,7 @@ PROMPTS = ["Ben has 4 apples. He gets 3 more. How many apples does Ben have now?
 def engine(smollm2_folder):
     from rollout.vllm_engine import VLLMEngine
 
-    # chunks of 5 tokens: responses of 12 tokens are continued across chunk boundaries
-    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512, chunk_tokens=5)
+    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512)
     yield eng
     eng.close()
 
@@ -56,21 +55,37 @@ def test_vllm_weight_update_changes_outputs_and_version(engine, reference):
 
 
 def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, reference):
+    """The update lands between decoding steps of running requests (AsyncLLM pause/resume): each
+    response holds old-version tokens, then new-version ones; the old ones' mu matches the old
+    weights in transformers, and nothing was re-decoded or dropped."""
+    import threading
+    import time
+
     g = torch.Generator().manual_seed(1)
     state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith("mlp.up_proj.weight")}
     publication = list(publish.buckets(state.items(), version=engine.version + 1))
     old = engine.version
-
-    def on_chunk(i):
-        if i == 1:  # the learner publishes after the first 5 tokens
-            engine.update_weights(publication)
-
     prompt = [engine.chat_prompt("Write a long story about a dragon.")]
-    (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3), on_chunk=on_chunk)
+    params = SamplingParams(n=2, max_new_tokens=96, temperature=1.0, seed=3)
+    result = {}
+    start = engine.tokens_received
+    thread = threading.Thread(target=lambda: result.update(group=engine.generate(prompt, params)[0]))
+    thread.start()
+    deadline = time.time() + 120
+    while engine.tokens_received - start < 10 and time.time() < deadline:  # both requests are decoding
+        time.sleep(0.005)
+    engine.update_weights(publication)  # the learner publishes while they decode
+    thread.join(timeout=300)
+    group = result["group"]
     for c in group:
-        assert len(c.response_ids) == 12 and c.finish_reason == "length"
-        assert c.versions.tolist() == [old] * 5 + [old + 1] * 7
+        v = c.versions.tolist()
+        assert len(v) == 96 and c.finish_reason == "length"
+        split = v.index(old + 1)
+        assert 0 < split < 96 and v == [old] * split + [old + 1] * (96 - split), v
+        head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length")
+        assert (c.rollout_logp[:split] - recompute_logp(reference, head, 1.0)).abs().max().item() <= 1e-3
     assert not torch.equal(group[0].response_ids, group[1].response_ids)  # n samples are independent
+    reference.load_state_dict(state, strict=False)  # the module's reference follows the engine's weights
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

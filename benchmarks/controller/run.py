@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.controller.run            # simulation only (seconds)
     .venv/bin/python -m benchmarks.controller.run --real 4   # + the embedded default, sync vs async
+    .venv/bin/python -m benchmarks.controller.run --before-after 5   # the default preset before vs after issue 15
 
 Simulation: the Controller over SimulatedBackend with balanced stages (W workers at 1 group/s each,
 a training step of B = 4W groups taking 4 s, so both stages run at W groups/s). Reports async
@@ -90,13 +91,51 @@ def real(steps: int) -> None:
         print(f"{name:>30} {sec:>8.1f} {tps:>17.1f} {rows[VARIANTS[0][0]][0] / sec:>7.2f}")
 
 
+BEFORE = (  # the embedded default before issue 15, as overrides of today's preset
+    "train.mode=async", "train.max_staleness=1", "rollout.threads=1", "learner_resources.threads=2", "learner.precision=fp32",
+    "learner.packing=none", "learner.micro_batch_size=16", "eval.concurrent=true",
+)
+
+
+def before_after(steps: int, rounds: int) -> None:
+    """A whole drpo train step on the embedded default, the preset before issue 15 and today's,
+    interleaved (before, after, before, ...) on one local Ray cluster; no evaluations or
+    checkpoints, the first step (warm-up) excluded. Engine changes of the same issue (prompt
+    prefilled once per group, CDF sampling) are in both: what differs is the configuration."""
+    import ray
+
+    from controller.cli import _init_ray
+
+    seconds = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        _init_ray(load_config())
+        for r in range(rounds):
+            for name, extra in (("before", BEFORE), ("after", ())):
+                run_dir = f"{tmp}/{name}-{r}"
+                train(load_config(overrides=[
+                    f"run_dir={run_dir}", f"train.steps={steps}", "eval.at_start=false", "eval.every=0", "checkpoint.every=0",
+                    "checkpoint.hf=false", "metrics.progress=false", "task.test_size=8", *extra,
+                ]))
+                seconds[name] += [rec["step_seconds"] for rec in step_records(run_dir)[1:]]
+        ray.shutdown()
+    b, a = statistics.median(seconds["before"]), statistics.median(seconds["after"])
+    print(f"\nwhole step, embedded default, {rounds} interleaved rounds x {steps} steps (first excluded), median s/step")
+    print(f"  before (async, fp32 learner, no packing)   {b:6.1f}")
+    print(f"  after  (today's preset)                    {a:6.1f}   x{b / a:.2f} faster")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100, help="simulated steps per point")
     parser.add_argument("--eta", type=int, default=2)
     parser.add_argument("--gen-cv", type=float, default=0.5)
     parser.add_argument("--real", type=int, default=0, metavar="STEPS", help="also run the embedded default for STEPS steps per mode")
+    parser.add_argument("--before-after", type=int, default=0, metavar="STEPS", help="only: the default preset before vs after issue 15")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --before-after")
     args = parser.parse_args()
+    if args.before_after:
+        before_after(args.before_after, args.rounds)
+        return
     simulation_table(args.steps, args.eta, args.gen_cv)
     if args.real:
         real(args.real)

