@@ -55,7 +55,7 @@ def test_drpo_train_simulate_writes_metrics_and_a_summary(tmp_path, capsys):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 7))
-    assert {r["kind"] for r in lines} == {"step", "eval", "checkpoint"}
+    assert {r["kind"] for r in lines} == {"startup", "step", "eval", "checkpoint"}
     assert all(r["staleness/lag_max"] <= 2 for r in steps)
     out = capsys.readouterr()
     assert "held-out accuracy, start" in out.out and "ledger" in out.out
