@@ -117,7 +117,7 @@ def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
 def test_sync_run_with_a_bf16_packed_learner_shares_prompts_and_waits_for_its_evaluations(ray_local, tiny_chat_model, tmp_path):
     """The default preset's learner shape through drpo train: bf16 mixed precision, each group's
     prompt packed once, evaluations that the run waits for (eval.concurrent=false)."""
-    cfg = run_config(tmp_path, tiny_chat_model, steps=4, mode="sync")
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4, mode="sync", max_staleness=0)
     cfg = cfg.model_copy(update={
         "learner": cfg.learner.model_copy(update={"precision": "bf16", "packing": "shared_prompt", "micro_batch_tokens": 64}),
         "eval": cfg.eval.model_copy(update={"concurrent": False}),
