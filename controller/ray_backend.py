@@ -45,6 +45,11 @@ class RayBackend(Backend):
         self.cfg = cfg
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
+        # the learner's placement group is reserved first (PACK: its ranks together), then the
+        # engines load while the learner ranks build their model: start-up is their maximum, not their sum
+        self.learner = LearnerGroup(
+            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads, wait=False,
+        ) if learner else None
         self.workers = ro.workers
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
@@ -72,10 +77,8 @@ class RayBackend(Backend):
             )
             for i in range(ro.workers)
         ]
-        # the engines load while the learner group builds its model (start-up is their maximum, not their sum)
-        self.learner = LearnerGroup(
-            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads
-        ) if learner else None
+        if self.learner is not None:
+            self.learner.ready()
         beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
         self.placement = {
             "learner": ray.get([w.node_id.remote() for w in self.learner.workers]) if self.learner else [],

@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from objectives.config import AggregationConfig, DRPOConfig, ObjectiveConfig
 
+Packing = Literal["none", "sequences", "shared_prompt"]
+"""How the learner lays sequences out for its forward (learner/packing.py)."""
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -70,7 +73,7 @@ class LearnerConfig(_Config):
         description="fp32, or bf16 mixed precision: bf16 parameters and compute, fp32 main parameters, gradients and optimizer; "
         "log-probs, entropy and the objective are always fp32.",
     )
-    packing: Literal["none", "sequences", "shared_prompt"] = Field(
+    packing: Packing = Field(
         "none",
         description="none: right-padded rows, micro_batch_size sequences per micro-batch; sequences: sequences packed into rows "
         "without attending across their boundaries, micro-batches of micro_batch_tokens; shared_prompt: as sequences, and the "

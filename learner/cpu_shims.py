@@ -7,8 +7,8 @@ returns immediately when CUDA is available, so the learner calls it unconditiona
 Config-level settings (``cpu_config_overrides``), each needed on CPU:
 - use_cpu_initialization: parameters are otherwise created on the current CUDA device.
 - gradient_accumulation_fusion: a fused CUDA kernel (wgrad accumulation into main_grad).
-- masked_softmax_fusion, bias_dropout_fusion, apply_rope_fusion, persist_layer_norm: fused CUDA or
-  Apex kernels with no CPU implementation.
+- bias_dropout_fusion, apply_rope_fusion, persist_layer_norm: fused CUDA or Apex kernels with no
+  CPU implementation (masked_softmax_fusion is off everywhere: learner/model.py says why).
 
 Process-level patches (``apply``):
 - torch.cuda.current_device -> "cpu": megatron calls it to place buffers and RNG state; returning
@@ -37,7 +37,6 @@ def cpu_config_overrides() -> dict:
     return {
         "use_cpu_initialization": True,
         "gradient_accumulation_fusion": False,
-        "masked_softmax_fusion": False,
         "bias_dropout_fusion": False,
         "apply_rope_fusion": False,
         "persist_layer_norm": False,

@@ -22,8 +22,11 @@ from learner.worker import LearnerWorker
 
 class LearnerGroup:
     def __init__(
-        self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None
+        self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None,
+        wait: bool = True,
     ):
+        """``wait=False``: return once the placement group is reserved and the ranks are loading
+        their model; ``ready()`` waits for them (so other actors can load meanwhile)."""
         self.cfg = cfg
         n = cfg.parallel.world_size
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
@@ -39,7 +42,15 @@ class LearnerGroup:
             for i in range(n)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(addr, port, str(model_folder)) for w in self.workers])
+        self._setup = [w.setup.remote(addr, port, str(model_folder)) for w in self.workers]
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until every rank has joined the process group and loaded the model."""
+        if self._setup:
+            ray.get(self._setup)
+            self._setup = []
 
     def _dp_rank(self, rank: int) -> int:
         return rank // self.cfg.parallel.tensor

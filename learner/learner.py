@@ -165,11 +165,12 @@ class Learner:
             ids=None if ids is None else ids.to(device)[scored],
         )
 
-        def place(t):
+        def place(t):  # [M, ...] values of the scored tokens, row-major, back into [n, S, ...]
             if t is None:
                 return None
             full = torch.zeros((*scored.shape, *t.shape[1:]), dtype=t.dtype, device=device)
-            return full.masked_scatter(scored.view(*scored.shape, *([1] * (t.dim() - 1))).expand_as(full), t) if t.dim() > 1 else full.masked_scatter(scored, t)
+            where = scored.view(*scored.shape, *([1] * (t.dim() - 1))).expand_as(full)
+            return full.masked_scatter(where, t)
 
         return TokenLogProbs(place(out.logp), place(out.entropy), place(out.topk_logp), place(out.topk_ids), place(out.ids_logp))
 
@@ -179,13 +180,32 @@ class Learner:
         self.model.eval()
         return self.token_logprobs(input_ids, ids)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, packing.Packed]]:
-        """The batch's micro-batches, each with its forward layout: packing=none slices
-        micro_batch_size right-padded rows; the packed modes fill micro_batch_tokens slots."""
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch, packing.Packed]]:
+        """The batch's micro-batches: (the batch rows each holds, its TrainBatch, its forward
+        layout). packing=none slices micro_batch_size right-padded rows; the packed modes fill
+        micro_batch_tokens token slots."""
         if self.cfg.packing == "none":
-            return [(mb, packing.unpacked(mb.input_ids, mb.response_mask)) for mb in batch.micro_batches(self.cfg.micro_batch_size)]
+            n, size = batch.input_ids.shape[0], self.cfg.micro_batch_size
+            return [
+                (list(range(s, min(n, s + size))), mb, packing.unpacked(mb.input_ids, mb.response_mask))
+                for s, mb in zip(range(0, n, size), batch.micro_batches(size))
+            ]
         plan = packing.micro_batches(batch.input_ids.cpu(), batch.response_mask.cpu(), self.cfg.packing, self.cfg.micro_batch_tokens)
-        return [(batch.select(rows), packed) for rows, packed in plan]
+        return [(rows, batch.select(rows), packed) for rows, packed in plan]
+
+    @torch.no_grad()
+    def batch_logprobs(self, batch: TrainBatch) -> TokenLogProbs:
+        """pi now at the batch's response tokens [N, S] (0 elsewhere), laid out and micro-batched
+        as a training step would; with engine top-K ids, also pi on them (``ids_logp``)."""
+        self.model.eval()
+        logp = torch.zeros(batch.input_ids.shape)
+        topk = torch.zeros(batch.rollout_topk_ids.shape) if batch.rollout_topk_ids is not None else None
+        for rows, mb, packed in self._micro_batches(batch):
+            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
+            logp[rows] = stats.logp.cpu()
+            if topk is not None:
+                topk[rows] = stats.ids_logp.cpu()
+        return TokenLogProbs(logp, ids_logp=topk)
 
     # ---- step -------------------------------------------------------------------------------------
 
@@ -231,23 +251,8 @@ class Learner:
         """The batch with the learner's log-probs now (before updating on it) as proximal_logp,
         and on the engine's top-K ids as proximal_topk_logp; micro-batch by micro-batch, so the
         pass needs no more memory than a training forward."""
-        self.model.eval()
-        proximal = torch.zeros(batch.input_ids.shape)
-        topk = torch.zeros(batch.rollout_topk_ids.shape) if batch.rollout_topk_ids is not None else None
-        with torch.no_grad():
-            for rows, (mb, packed) in zip(self._rows(batch), self._micro_batches(batch)):
-                stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
-                proximal[rows] = stats.logp.cpu()
-                if topk is not None:
-                    topk[rows] = stats.ids_logp.cpu()
-        return replace(batch, proximal_logp=proximal, proximal_topk_logp=topk)
-
-    def _rows(self, batch: TrainBatch) -> list[list[int]]:
-        """Which of the batch's rows each of ``_micro_batches(batch)`` holds, in its order."""
-        if self.cfg.packing == "none":
-            n, size = batch.input_ids.shape[0], self.cfg.micro_batch_size
-            return [list(range(s, min(n, s + size))) for s in range(0, n, size)]
-        return [rows for rows, _ in packing.micro_batches(batch.input_ids.cpu(), batch.response_mask.cpu(), self.cfg.packing, self.cfg.micro_batch_tokens)]
+        stats = self.batch_logprobs(batch)
+        return replace(batch, proximal_logp=stats.logp, proximal_topk_logp=stats.ids_logp)
 
     def _objective_inputs(self, mb: TrainBatch, stats: TokenLogProbs) -> tuple[objectives.ObjectiveInputs, dict[str, Metric]]:
         """What the objective sees. bypass: mu anchors it. decoupled: proximal_logp anchors it and mu
@@ -283,7 +288,7 @@ class Learner:
         delta = getattr(self.cfg.objective, "delta", None)  # the trust region, for gap/beyond_delta_frac
         total_loss = torch.zeros((), device=self.device)
         slots = real = 0
-        for mb, packed in self._micro_batches(batch.to(self.device)):
+        for _, mb, packed in self._micro_batches(batch.to(self.device)):
             slots, real = slots + packed.tokens, real + packed.real_tokens
             stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
             inputs, anchor_metrics = self._objective_inputs(mb, stats)

@@ -135,6 +135,9 @@ def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_para
         params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
         bf16=precision == "bf16",
         attention_softmax_in_fp32=True,
+        # the fused causal softmax kernel ignores an explicit mask: packed layouts (block masks,
+        # learner/packing.py) need the unfused softmax, which applies the mask it is given
+        masked_softmax_fusion=False,
         tensor_model_parallel_size=tensor_parallel,
         **moe,
         **cpu_shims.cpu_config_overrides(),

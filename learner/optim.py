@@ -118,13 +118,18 @@ class TorchAdamW:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.mixed:
+            saved = state["main_params"]
+            if [tuple(t.shape) for t in saved] != [tuple(m.shape) for m in self.main]:
+                raise ValueError(f"checkpoint holds {len(saved)} main parameters that do not match this model's {len(self.main)}")
             with torch.no_grad():
-                for main, saved in zip(self.main, state["main_params"]):
-                    main.copy_(saved)
+                for main, value in zip(self.main, saved):
+                    main.copy_(value)
 
 
 class MegatronDistributedAdam:
     """GPU path: megatron-core's distributed optimizer (optimizer states sharded over data parallel).
+    With bf16 parameters its fp32 main parameters are copied from the bf16 weights (megatron's own
+    construction), so they start on the bf16 grid (see TorchAdamW); a bf16 checkpoint does anyway.
 
     Written against megatron-core's public get_megatron_optimizer; exercised only on GPU (tests
     marked gpu). Checkpointing its sharded states goes through megatron's dist_checkpointing, which

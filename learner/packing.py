@@ -9,7 +9,9 @@ continue from the prompt's last position), so hidden states equal those of the u
 the packing is exact, not an approximation (the "shared-prefix" forward of some GRPO trainers).
 
 Segments are placed first-fit-decreasing into rows as long as the longest segment, rows into
-micro-batches while rows x width stays within the token budget. ``Packed.source`` maps every
+micro-batches while rows x width stays within the token budget. A group whose prompt and responses
+exceed the budget is cut into several segments, each with its own copy of the prompt, so the
+attention block (quadratic in its length) stays bounded by the budget for long responses. ``Packed.source`` maps every
 scored token of the original [n, S] rows to the flat index of the packed hidden state that
 predicts it (the position of its predecessor), so log-probs come back in the unpacked layout and
 everything downstream (objectives, aggregation, metrics) is unchanged.
@@ -18,11 +20,9 @@ everything downstream (objectives, aggregation, metrics) is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-Packing = Literal["none", "sequences", "shared_prompt"]
+from learner.config import Packing
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Packed:
 
 @dataclass(frozen=True)
 class _Segment:
+    """Rows packed together as one attention block (see the module docstring)."""
+
     rows: tuple[int, ...]
     """Rows of the micro-batch (indices into its [n, S] tensors) in this segment."""
     prompt: int
@@ -57,33 +59,47 @@ class _Segment:
     """Packed tokens: prompt + every row's remainder."""
 
 
-def segments(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor | None, packing: Packing) -> list[_Segment]:
-    """Split rows into segments: consecutive rows with the same prompt (same length, same ids)
-    form one under ``shared_prompt`` (a row with nothing scored, length 0, is a segment of its
-    own and does not interrupt the run); every row is its own otherwise."""
+def segments(
+    input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor | None, packing: Packing, token_budget: int | None = None
+) -> list[_Segment]:
+    """Split rows into segments: under ``shared_prompt``, consecutive rows with the same prompt
+    (same length, same ids) form one, cut into several (each with its own copy of the prompt)
+    where prompt + responses would exceed ``token_budget``; a row with nothing scored (length 0)
+    is a segment of its own and does not interrupt the run. Every row is its own otherwise."""
     lens = [int(x) for x in lengths]
     if packing != "shared_prompt" or prompt_lengths is None:
         return [_Segment((i,), 0, lens[i]) for i in range(len(lens))]
     plens = [int(x) for x in prompt_lengths]
     out: list[_Segment] = []
     run: list[int] = []
-
-    def close() -> None:
-        p = plens[run[0]]
-        shared = len(run) > 1 and p > 0
-        out.append(_Segment(tuple(run), p, p + sum(lens[r] - p for r in run)) if shared else _Segment(tuple(run), 0, lens[run[0]]))
-
     for i in range(len(lens)):
         if lens[i] == 0:
             out.append(_Segment((i,), 0, 0))
             continue
         if run and not (plens[i] == plens[run[0]] and torch.equal(input_ids[i, : plens[i]], input_ids[run[0], : plens[i]])):
-            close()
+            out += _shared(run, plens[run[0]], lens, token_budget)
             run = []
         run.append(i)
     if run:
-        close()
+        out += _shared(run, plens[run[0]], lens, token_budget)
     return out
+
+
+def _shared(rows: list[int], prompt: int, lens: list[int], token_budget: int | None) -> list[_Segment]:
+    """Rows sharing a ``prompt``-token prefix as segments of at most ``token_budget`` tokens (a
+    single row may exceed it); a lone row, or a prefix of 0 tokens, shares nothing."""
+    if prompt == 0:
+        return [_Segment((r,), 0, lens[r]) for r in rows]
+    out, part, size = [], [], prompt
+    for r in rows:
+        extra = lens[r] - prompt
+        if part and token_budget is not None and size + extra > token_budget:
+            out.append(part)
+            part, size = [], prompt
+        part.append(r)
+        size += extra
+    out.append(part)
+    return [_Segment(tuple(p), prompt, prompt + sum(lens[r] - prompt for r in p)) if len(p) > 1 else _Segment(tuple(p), 0, lens[p[0]]) for p in out]
 
 
 def plan(segs: list[_Segment], token_budget: int) -> list[list[list[_Segment]]]:
@@ -179,7 +195,7 @@ def spans(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def micro_batches(input_ids: torch.Tensor, response_mask: torch.Tensor, packing: Packing, token_budget: int) -> list[tuple[list[int], Packed]]:
     """Every row of the batch in exactly one packed micro-batch: (its rows, its forward input)."""
     prompt, lengths = spans(response_mask)
-    segs = segments(input_ids, lengths, prompt, packing)
+    segs = segments(input_ids, lengths, prompt, packing, token_budget)
     out = []
     for rows in plan(segs, token_budget):
         row_ids = sorted(r for row in rows for seg in row for r in seg.rows)

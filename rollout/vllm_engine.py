@@ -20,7 +20,9 @@ after the load has returned: deltas the engine produced before the pause are del
 loop while the load runs (a load takes ~1 s, a delivery microseconds). mu stays exact: every
 token's log-prob is from the distribution it was sampled from. The prefix cache holds prompt KV of
 the old weights after an update; it is reset before the next ``generate`` starts (vLLM refuses the
-reset while requests hold blocks), so a new request never reuses another version's prompt.
+reset while requests hold blocks), so a later call's requests never reuse another version's
+prompt KV. Requests of the same call still queued in vLLM's scheduler when the update lands can
+reuse a sibling's old-weight prompt KV, as the running ones keep theirs.
 
 Tensors do not survive vLLM's RPC serialization, so a publication travels as one safetensors file in
 a private temporary folder; on GPU the same worker extension is where an NCCL receive
@@ -124,7 +126,14 @@ class VLLMEngine(Engine):
         if self._cache_stale:
             async with self._update_lock:
                 self._cache_stale = not await self.llm.reset_prefix_cache()
-        return list(await asyncio.gather(*(self._sample(row, self._sampling(params, i), params.topk_logprobs) for i, row in enumerate(rows))))
+        tasks = [asyncio.ensure_future(self._sample(row, self._sampling(params, i), params.topk_logprobs)) for i, row in enumerate(rows)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # a failed request must not leave its siblings running (cancelling aborts them in vLLM)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _sample(self, row: list[int], sampling, k: int) -> Completion:
         from vllm.inputs import TokensPrompt
@@ -207,9 +216,19 @@ class VLLMEngine(Engine):
                 await self.llm.resume_generation()
 
     def close(self) -> None:
-        """Stop vLLM's engine-core process and the loop, and remove the staging folder."""
+        """Stop vLLM's engine-core process and the loop, and remove the staging folder (call it
+        when no ``generate`` is running: one in flight would wait for a loop that has stopped)."""
         shutil.rmtree(self._tmp, ignore_errors=True)
         try:
             self.llm.shutdown()
         finally:
+            self._run(self._cancel_pending())
             self._loop.call_soon_threadsafe(self._loop.stop)
+
+    @staticmethod
+    async def _cancel_pending() -> None:
+        """Cancel the engine's background tasks (output handlers) so none is left pending."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

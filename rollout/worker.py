@@ -58,13 +58,22 @@ def completion_problem(c: Completion, topk: int) -> str | None:
     return None
 
 
+TRAINING_AHEAD_OF_EVALUATION = 2
+"""Engine calls of training prompts that may go ahead of a waiting evaluation prompt: training
+first, so evaluation never delays the learner's next batch, but an evaluation is never starved
+when the rollout is the slower stage (there is always training work queued then)."""
+
+
 class _Inbox:
-    """Queued (ticket, problem, n) submissions: training first, then evaluation, each in order."""
+    """Queued (ticket, problem, n) submissions, each kind in order: training first, evaluation
+    after at most TRAINING_AHEAD_OF_EVALUATION training calls. ``close`` drops what is queued (the
+    controller takes queued work back with ``cancel_queued`` before it stops a worker)."""
 
     def __init__(self) -> None:
         self._queues: tuple[list, list] = ([], [])  # training, evaluation
         self._cond = threading.Condition()
         self._closed = False
+        self._ahead = 0  # training calls served while evaluation waited
 
     def put(self, item: tuple[Ticket, Problem, int]) -> None:
         with self._cond:
@@ -95,7 +104,11 @@ class _Inbox:
                 self._cond.wait()
             if self._closed:
                 return None
-            q = self._queues[0] if self._queues[0] else self._queues[1]
+            train, evaluation = self._queues
+            if train and (not evaluation or self._ahead < TRAINING_AHEAD_OF_EVALUATION):
+                q, self._ahead = train, self._ahead + bool(evaluation)
+            else:
+                q, self._ahead = evaluation, 0
             n = q[0][2]
             count = 1
             while count < min(len(q), limit(n)) and q[count][2] == n:

@@ -48,12 +48,7 @@ def _grouped_batch(seed: int = 0) -> TrainBatch:
 
 def _grad_norm_and_logp(learner: Learner, batch: TrainBatch):
     """One update's loss and grad norm, and pi before it at the response tokens."""
-    learner.model.eval()
-    with torch.no_grad():
-        pieces = [(mb, learner._packed_logprobs(p, mb.input_ids, mb.response_mask, None)) for mb, p in learner._micro_batches(batch)]
-    logp = torch.zeros(batch.input_ids.shape)
-    for rows, (_, stats) in zip(learner._rows(batch), pieces):
-        logp[rows] = stats.logp
+    logp = learner.batch_logprobs(batch).logp
     metrics = learner.train_step(batch)
     return logp, metrics
 
@@ -92,6 +87,17 @@ def test_shared_prompt_layout_sees_the_prompt_and_its_own_response_only():
     assert bool(mask[row0_response % w].all())
     assert not bool(mask[torch.tensor(seg) % w].any())
     assert packed.position_ids.reshape(-1)[own].tolist() == list(range(5, 13))
+
+
+def test_a_group_longer_than_the_budget_is_cut_with_a_prompt_copy_each():
+    batch = _grouped_batch()
+    prompt, lengths = packing.spans(batch.response_mask)
+    # group 0: prompt 5, responses 3, 9, 1, 6; a budget of 16 holds the prompt and 11 response tokens
+    segs = packing.segments(batch.input_ids, lengths, prompt, "shared_prompt", token_budget=16)
+    assert [(s.rows, s.prompt, s.size) for s in segs[:3]] == [((0,), 0, 8), ((1, 2), 5, 15), ((3,), 0, 11)]
+    plan = packing.micro_batches(batch.input_ids, batch.response_mask, "shared_prompt", token_budget=16)
+    assert all(p.input_ids.shape[1] <= 16 for _, p in plan)
+    assert sorted(r for rows, _ in plan for r in rows) == list(range(12))
 
 
 def test_a_group_whose_prompts_differ_is_not_shared():

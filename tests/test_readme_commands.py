@@ -79,7 +79,7 @@ def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(tiny_chat_m
     setup = [
         "drpo", "train", "--set", "run_dir=runs/default", "--set", f"model.path={tiny_chat_model}", "--set", "train.steps=2",
         "--set", "train.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=3",
-        "--set", "task.test_size=4", "--set", "eval.every=0", "--set", "learner.micro_batch_size=8", *QUIET,
+        "--set", "task.test_size=4", "--set", "eval.every=0", *QUIET,
     ]
     run(setup, tmp_path)
     assert (tmp_path / "runs" / "default" / "hf" / "step-000002" / "model.safetensors").is_file()

@@ -49,8 +49,8 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
 
 def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
     """A worker's queue: training prompts first (an evaluation never delays the learner's next
-    batch), each kind in submission order; evaluation (1 sample each) takes as many prompts as
-    the rows training uses."""
+    batch) but never more than 2 calls ahead of a waiting evaluation, each kind in submission
+    order; evaluation (1 sample each) takes as many prompts as the rows training uses."""
     from rollout.worker import _Inbox
 
     inbox = _Inbox()
@@ -66,5 +66,11 @@ def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
     assert [t.id for t, _, _ in inbox.take(limit)] == ["t2"]
     assert [t.id for t, _, _ in inbox.take(limit)] == [f"e{i}" for i in range(16)]
     assert inbox.qsize() == 4 and [t.id for t, _, _ in inbox.drain()] == ["e16", "e17", "e18", "e19"]
+    # with training always queued (rollout the slower stage), evaluation still gets its turn
+    for i in range(5):
+        inbox.put((TrainTicket(1, f"u{i}"), Problem(f"u{i}", "q", "1"), 8))
+    inbox.put(evals[0])
+    kinds = [type(inbox.take(lambda n: 1)[0][0]).__name__ for _ in range(4)]
+    assert kinds == ["TrainTicket", "TrainTicket", "EvalTicket", "TrainTicket"]
     inbox.close()
     assert inbox.take(limit) is None

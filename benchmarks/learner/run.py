@@ -297,11 +297,7 @@ def _gap_job(spec: dict) -> dict:
     for learner_precision in ("fp32", "bf16"):
         learner = Learner.from_hf_folder(LearnerConfig(precision=learner_precision, packing="shared_prompt"), folder)
         for engine_precision, batch in batches.items():
-            with torch.no_grad():
-                learner.model.eval()
-                logp = torch.zeros(batch.input_ids.shape)
-                for rows, (mb, packed) in zip(learner._rows(batch), learner._micro_batches(batch)):
-                    logp[rows] = learner._packed_logprobs(packed, mb.input_ids, mb.response_mask, None).logp
+            logp = learner.batch_logprobs(batch).logp
             shift = (logp.exp() - batch.rollout_logp.exp()).abs()[batch.response_mask]
             out[f"{learner_precision} learner / {engine_precision} engine"] = {"mean": float(shift.mean()), "max": float(shift.max())}
     return out
