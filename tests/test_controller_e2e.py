@@ -119,17 +119,24 @@ def test_sync_run_with_a_bf16_packed_learner_shares_prompts_and_waits_for_its_ev
     prompt packed once, evaluations that the run waits for (eval.concurrent=false)."""
     cfg = run_config(tmp_path, tiny_chat_model, steps=4, mode="sync", max_staleness=0)
     cfg = cfg.model_copy(update={
-        "learner": cfg.learner.model_copy(update={"precision": "bf16", "packing": "shared_prompt", "micro_batch_tokens": 64}),
+        "learner": cfg.learner.model_copy(update={"precision": "bf16", "packing": "shared_prompt", "micro_batch_tokens": 128}),
         "eval": cfg.eval.model_copy(update={"concurrent": False}),
     })
     result = train(cfg)
     run_dir = tmp_path / "run"
     steps = records(run_dir, "step")
     assert [s["version"] for s in steps] == [1, 2, 3, 4] and all(s["staleness/lag_max"] == 0 for s in steps)
-    # a group's 4 samples share a ~40-token chat prompt: far fewer forward slots than 8 full rows
+    # a group's 4 samples share their chat prompt: far fewer forward slots than the 8 rows hold
+    from transformers import AutoTokenizer
+
+    from rollout.tasks import arithmetic_split
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    ids = tok.apply_chat_template([{"role": "user", "content": arithmetic_split("train", 1)[0].prompt}], add_generation_prompt=True, tokenize=True)
+    prompt = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
     for s in steps:
-        rows = s["learner/tokens"] + cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * 40
-        assert s["learner/forward_tokens"] < 0.5 * rows and 0 <= s["learner/padding_frac"] < 0.5
+        rows = s["learner/tokens"] + cfg.train.prompts_per_step * cfg.rollout.samples_per_prompt * prompt
+        assert s["learner/forward_tokens"] < 0.5 * rows and 0 <= s["learner/padding_frac"] < 0.5, (s["learner/forward_tokens"], rows)
     assert all(math.isfinite(s["learner/grad_norm"]) and s["learner/grad_norm"] > 0 for s in steps)
     # the evaluation after step 2 finished before step 3 began, and evaluated version 2
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
