@@ -60,14 +60,10 @@ def smollm2_completions(smollm2_folder):
     return ids, mask, rollout
 
 
-def test_drpo_steps_on_smollm2_completions_move_logprobs_with_the_advantage(megatron_single_rank, smollm2_folder, smollm2_completions):
-    ids, mask, rollout = smollm2_completions
-    cfg = LearnerConfig(objective=DRPOConfig(delta=12.5), optimizer=OptimizerConfig(lr=2e-5, grad_clip=1.0), micro_batch_size=4)
-    learner = Learner.from_hf_folder(cfg, smollm2_folder)
-    before = learner.compute_logprobs(ids).logp
-    # the learner reproduces the sampler's log-probs: the off-policy gap at version 0 is numerics only
-    assert (before - rollout)[mask].abs().max().item() < 1e-3
-    # one sign per prompt: two samples of a prompt can be identical, and opposite signs would cancel
+def _three_steps_move_logprobs_with_the_advantage(learner, ids, mask, rollout, before):
+    """Three DRPO steps with one advantage sign per prompt (two samples of a prompt can be
+    identical, and opposite signs would cancel); each row's mean log-prob moves with its sign.
+    Returns the last step's metrics."""
     sign = torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)[:, None]
     batch = TrainBatch(ids, mask, rollout, sign.expand_as(rollout).contiguous())
     for _ in range(3):
@@ -75,6 +71,17 @@ def test_drpo_steps_on_smollm2_completions_move_logprobs_with_the_advantage(mega
     after = learner.compute_logprobs(ids).logp
     change = ((after - before) * mask).sum(1) / mask.sum(1)
     assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
+    return metrics
+
+
+def test_drpo_steps_on_smollm2_completions_move_logprobs_with_the_advantage(megatron_single_rank, smollm2_folder, smollm2_completions):
+    ids, mask, rollout = smollm2_completions
+    cfg = LearnerConfig(objective=DRPOConfig(delta=12.5), optimizer=OptimizerConfig(lr=2e-5, grad_clip=1.0), micro_batch_size=4)
+    learner = Learner.from_hf_folder(cfg, smollm2_folder)
+    before = learner.compute_logprobs(ids).logp
+    # the learner reproduces the sampler's log-probs: the off-policy gap at version 0 is numerics only
+    assert (before - rollout)[mask].abs().max().item() < 1e-3
+    metrics = _three_steps_move_logprobs_with_the_advantage(learner, ids, mask, rollout, before)
     assert metrics.version == 3 and metrics.tokens == int(mask.sum())
     assert 0.92 <= metrics.values["objective/weight_mean"] <= 1.08
     assert "gap/kl_k3" in metrics.values and "objective/weight_hist/bin_0" in metrics.values
@@ -97,13 +104,7 @@ def test_bf16_learner_agrees_with_fp32_and_drpo_moves_logprobs_with_the_advantag
     gap = (before - rollout)[mask].abs()  # rollout: the fp32 transformers sampler's own log-probs
     print(f"bf16 learner vs fp32 sampler: mean |dlogp| {gap.mean():.4f}, max {gap.max():.4f}")
     assert 0 < gap.max().item() < BF16_LOGP_TOLERANCE and gap.mean().item() < 0.05
-    sign = torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)[:, None]
-    batch = TrainBatch(ids, mask, rollout, sign.expand_as(rollout).contiguous())
-    for _ in range(3):
-        metrics = learner.train_step(batch)
-    after = learner.compute_logprobs(ids).logp
-    change = ((after - before) * mask).sum(1) / mask.sum(1)
-    assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
+    metrics = _three_steps_move_logprobs_with_the_advantage(learner, ids, mask, rollout, before)
     # the shared prompts (2 samples each) were computed once: fewer forward slots than the rows hold
     assert metrics.values["learner/forward_tokens"] < int(packing.spans(mask)[1].sum())
     # the optimizer's fp32 main parameters are what the bf16 weights are rounded from
