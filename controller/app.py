@@ -12,6 +12,8 @@ from controller.artifacts import export_run
 from controller.config import ArithmeticTask, RunConfig, dump
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
+from controller.run_folder import check_shared, prepare
+from controller.stop import StopRequest
 from controller.telemetry import Telemetry
 from rollout.tasks import Problem, arithmetic_split, load_dataset
 
@@ -26,6 +28,10 @@ class RunResult:
     metrics_url: str | None
     model_dir: Path | None = None
     """The Hugging Face folder of the last checkpoint (``checkpoint.hf``), or None."""
+    stopped_by: str | None = None
+    """The signal that stopped the run before its last step (SIGINT, SIGTERM), or None."""
+    resume_step: int = 0
+    """The step its newest checkpoint holds (where ``--resume`` continues; 0: from the start)."""
 
 
 def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem], dict[str, list]]:
@@ -53,16 +59,17 @@ def make_backend(cfg: RunConfig):
     return RayBackend(cfg)
 
 
-def train(cfg: RunConfig, resume: bool = False, backend=None, startup: dict[str, float] | None = None) -> RunResult:
+def train(
+    cfg: RunConfig, resume: bool = False, backend=None, startup: dict[str, float] | None = None, overwrite: bool = False,
+    stop: StopRequest | None = None,
+) -> RunResult:
     """Run (or with ``resume``, continue from the run folder's latest checkpoint) to ``train.steps``.
-    ``startup``: seconds already spent starting (e.g. ``ray_seconds``), for the start-up record."""
+    A new run refuses a folder that holds another run unless ``overwrite`` (controller/run_folder.py).
+    ``startup``: seconds already spent starting (e.g. ``ray_seconds``), for the start-up record.
+    ``stop``: set by the caller's signal handlers (controller/stop.py); the run then winds down early."""
     began = time.monotonic()
     run_dir = Path(cfg.run_dir)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump(cfg))
+    checkpoint = prepare(cfg, resume, overwrite)
     train_set, test_set, skipped = problems(cfg)
     loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))
     try:
@@ -81,17 +88,18 @@ def train(cfg: RunConfig, resume: bool = False, backend=None, startup: dict[str,
     if telemetry.exporter is not None and cfg.metrics.progress:
         print(f"drpo train: Prometheus metrics on http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics", file=sys.stderr)
     try:
-        ctl = Controller(cfg, backend, train_set, test_set, telemetry)
+        check_shared(run_dir, lambda nonce: backend.probe_storage(str(run_dir.resolve()), nonce))
+        ctl = Controller(cfg, backend, train_set, test_set, telemetry, stop)
         if checkpoint is not None:
             ctl.restore(checkpoint)
         ctl.run()
         model_dir = None
-        if cfg.checkpoint.hf and cfg.simulation is None:
+        if cfg.checkpoint.hf and cfg.simulation is None and not ctl.stop.requested:
             last = latest_checkpoint(run_dir)
             model_dir = export_run(run_dir, run_dir / "hf" / last.name, checkpoint_step(last), cfg.checkpoint.hf_dtype, replace=True)
         summary = telemetry.summary(ctl.eval_history, ctl.ledger.counts(), model_dir)
         url = f"http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics" if telemetry.exporter else None
-        return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url, model_dir)
+        return RunResult(run_dir, ctl.step, ctl.eval_history, ctl.ledger.counts(), summary, url, model_dir, ctl.stop.name, ctl.checkpointed)
     finally:
         telemetry.close()
         backend.shutdown()

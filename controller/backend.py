@@ -83,6 +83,11 @@ class Backend(ABC):
     def worker_version(self, worker: int) -> int:
         """The newest version ``worker`` is known to serve (a lower bound while a publication travels)."""
 
+    def probe_storage(self, run_dir: str, nonce: str) -> list[dict]:
+        """Every learner rank's view of the driver's storage marker (learner.checkpoint.storage_probe);
+        empty where the learner shares the driver's process."""
+        return []
+
     def save(self, folder: str) -> None:
         """Write the learner's state into ``folder``."""
 

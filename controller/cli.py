@@ -33,6 +33,7 @@ def _objectives(args: argparse.Namespace) -> int:
 
 
 def _init_ray(cfg) -> None:
+    """Join the configured cluster, or start a local one in this process (``_shutdown_ray`` stops it)."""
     import os
 
     import ray
@@ -52,9 +53,11 @@ def _init_ray(cfg) -> None:
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from controller.app import train
     from controller.config import ConfigError, SimulationConfig, load_config
 
+    if args.resume and args.overwrite:
+        print("drpo train: --resume continues a run and --overwrite deletes it; give one of them", file=sys.stderr)
+        return 2
     overrides = list(args.set or [])
     config = args.config
     if args.resume:
@@ -67,26 +70,58 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
+    from controller.stop import Interrupted, StopRequest
+
+    stop = StopRequest()
+    with stop.handling_signals():  # start-up included: a signal then stops at once
+        try:
+            return _run(cfg, args, stop)
+        except Interrupted as err:
+            print(f"\ndrpo train: {err}; the run continues from its newest checkpoint with: drpo train --resume {cfg.run_dir}", file=sys.stderr)
+            return 128 + err.signum
+        finally:
+            _shutdown_ray()
+
+
+def _run(cfg, args: argparse.Namespace, stop) -> int:
+    from controller.app import train
+    from controller.backend import LearnerLost
+    from controller.run_folder import RunFolderError, StorageError
+    from learner.checkpoint import CheckpointError
+
     startup = {}
     if cfg.simulation is None:
         began = time.monotonic()
         _init_ray(cfg)
+        stop.install()  # ray.init took SIGTERM over
         startup["ray_seconds"] = time.monotonic() - began
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
-    from controller.backend import LearnerLost
-
-    from learner.checkpoint import CheckpointError
-
     try:
-        result = train(cfg, resume=bool(args.resume), startup=startup)
-    except LearnerLost as err:
+        result = train(cfg, resume=bool(args.resume), startup=startup, overwrite=args.overwrite, stop=stop)
+    except (LearnerLost, StorageError) as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, CheckpointError) as err:  # a dataset or model folder that is not there, a bad checkpoint
+    except (FileNotFoundError, CheckpointError, RunFolderError) as err:  # a missing dataset or model, a bad checkpoint, an occupied folder
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
     print(result.summary)
-    return 0
+    if result.stopped_by is None:
+        return 0
+    where = f"its checkpoint of step {result.resume_step}" if result.resume_step else "the start (nothing was checkpointed)"
+    print(
+        f"drpo train: stopped by {result.stopped_by} at step {result.steps}; resume continues from {where} with: "
+        f"drpo train --resume {cfg.run_dir}", file=sys.stderr,
+    )
+    return 128 + stop.signum
+
+
+def _shutdown_ray() -> None:
+    """Stop the local Ray cluster this process started (its raylet, GCS, agents and workers); a
+    joined cluster is only disconnected from."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -158,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set train.steps=5")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     tr.add_argument("--simulate", action="store_true", help="sampled durations instead of models (scheduling only)")
+    tr.add_argument("--overwrite", action="store_true", help="start a new run in a folder that holds another: delete its metrics and checkpoints first")
     tr.set_defaults(fn=_train)
     ex = sub.add_parser("export", help="write a run checkpoint as a Hugging Face model folder (transformers, vLLM)")
     ex.add_argument("run_dir", metavar="RUN_DIR")

@@ -101,6 +101,11 @@ class TrainConfig(_Config):
     over_bound: Literal["wait", "drop"] = Field(
         "wait", description="wait: a step waits for rollouts that would otherwise expire; drop: expired samples are dropped."
     )
+    stop_grace_seconds: float = Field(
+        120.0, ge=0.0, description="On SIGINT/SIGTERM, how long the step in flight may take to finish before it is abandoned "
+        "(the run then resumes from its newest checkpoint). Under `ray job stop`, RAY_JOB_STOP_WAIT_TIME_S must exceed this "
+        "plus one checkpoint's time (deploy/runtime_env.yaml).",
+    )
     max_filtered_in_a_row: int = Field(
         2000, ge=1, description="Stop when this many groups in a row are filtered (all rewards equal): the task gives no signal."
     )
@@ -176,7 +181,10 @@ class RunConfig(_Config):
     """One training run. ``presets/default.yaml`` is the embedded default (``drpo train`` with no
     arguments); field defaults are neutral starting points for hand-written configs."""
 
-    run_dir: str = Field("runs/default", description="Run folder: config, metrics.jsonl, checkpoints.")
+    run_dir: str = Field(
+        "runs/default", description="Run folder: config, metrics.jsonl, checkpoints; one run per folder. On a cluster it must be "
+        "shared storage at the same path on every node (checked at start).",
+    )
     seed: int = Field(0, description="Seed of prompt order and sampling.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticTask)
@@ -193,6 +201,11 @@ class RunConfig(_Config):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
+        if "://" in self.run_dir:
+            raise ValueError(
+                f"run_dir must be a filesystem path, got the URI {self.run_dir!r}: a cluster run needs a folder on storage every "
+                "node mounts at the same path (NFS, EFS, Lustre, a CSI volume); object-store URIs are not supported"
+            )
         if abs(self.learner.temperature - self.rollout.temperature) > 1e-12:
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.temperature ({self.rollout.temperature}): "

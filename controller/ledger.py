@@ -103,3 +103,24 @@ class Ledger:
             entry = Entry(**e)
             self._seen.add((entry.epoch, entry.id))
             self.entries.append(entry)
+
+
+def audit(state: dict, ids: list[str], seed: int) -> dict[str, int]:
+    """Account for every prompt drawn, from a checkpoint's controller state (controller.json) and
+    the training ids in file order: ``double_counted`` (an (epoch, id) with two outcomes, or with
+    one and also waiting to be drawn again), ``lost`` (drawn, with no outcome and not waiting),
+    ``phantom`` (an outcome or a wait for a prompt never drawn), ``unexplained`` (dropped without a
+    reason), and the ``trained`` count. An exact run has zeros everywhere but ``trained``."""
+    keys = [(e["epoch"], e["id"]) for e in state["ledger"]]
+    pending = [(t["epoch"], t["id"]) for t in state["sampler"]["requeued"]]
+    sampler = PromptSampler(ids, seed)
+    sampler.load_state_dict(state["sampler"])
+    drawn = {(epoch, i) for epoch in range(sampler.epoch + 1) for i in sampler.issued(epoch)}
+    accounted = set(keys) | set(pending)
+    return {
+        "double_counted": len(keys) + len(pending) - len(accounted),
+        "lost": len(drawn - accounted),
+        "phantom": len(accounted - drawn),
+        "unexplained": sum(1 for e in state["ledger"] if e["outcome"] != "trained" and not e["reason"]),
+        "trained": sum(1 for e in state["ledger"] if e["outcome"] == "trained"),
+    }

@@ -21,14 +21,16 @@ from pathlib import Path
 import objectives
 from controller.backend import Backend, Events, TrainResult
 from controller.batch import Batch, BatchBuilder
-from controller.config import RunConfig
+from controller.config import RunConfig, dump
 from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
+from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
 
 STATE_FILE = "controller.json"
+CONFIG_FILE = "config.yaml"
 MAX_FAILURES_IN_A_ROW = 200
 """Stop the run when this many groups fail back to back (a broken engine or reward, not bad luck)."""
 
@@ -56,8 +58,13 @@ class _Step:
 
 
 class Controller:
-    def __init__(self, cfg: RunConfig, backend: Backend, train: list[Problem], test: list[Problem], telemetry: Telemetry):
+    def __init__(
+        self, cfg: RunConfig, backend: Backend, train: list[Problem], test: list[Problem], telemetry: Telemetry,
+        stop: StopRequest | None = None,
+    ):
+        """``stop``: polled between events; once requested, ``run`` winds down (see ``wind_down``)."""
         self.cfg, self.backend, self.telemetry = cfg, backend, telemetry
+        self.stop = stop or StopRequest()
         self.problems = {p.id: p for p in train}
         self.test = test
         self.test_problems = {p.id: p for p in test}
@@ -86,21 +93,30 @@ class Controller:
         self.failures_in_a_row = self.filtered_in_a_row = 0
         self.eval_pending: dict[EvalTicket, int] = {}
         """Evaluation submissions without a result yet, and the worker each went to."""
+        self.checkpointed = 0
+        """The step of the newest checkpoint (0: none, nothing trained yet)."""
+        self.abandoned = False
+        """Whether a stop abandoned a step in flight (the run then resumes from ``checkpointed``)."""
 
     # ---- the loop -----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """admit → generate → score → train → publish → evaluate → checkpoint, until the last step."""
+        """admit → generate → score → train → publish → evaluate → checkpoint, until the last step
+        (or a stop is requested: then ``wind_down``)."""
+        self.stop.graceful = True
         if self.cfg.eval.at_start and self.step == 0 and self.test:
             began = self.backend.now()
             self.evaluate(blocking=True)
             self.telemetry.startup_phase(first_eval_seconds=self.backend.now() - began)
         self.telemetry.startup_done()
-        while self.step < self.cfg.train.steps:
+        while self.step < self.cfg.train.steps and not self.stop.requested:
             self.admit()
             self.handle(self.backend.wait())
             self.maybe_train()
         self.requeue_unstarted()
+        if self.stop.requested:
+            self.wind_down()
+            return
         if self.test:
             self.evaluate(blocking=True)
         self.checkpoint()
@@ -223,6 +239,8 @@ class Controller:
             max_staleness=self.cfg.train.max_staleness, queue_depth=sum(self.load), buffered=len(self.buffer),
             ledger=self.ledger.counts(),
         ))
+        if self.stop.requested:
+            return  # wind_down checkpoints; no evaluation on the way out
         if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.test:
             self.evaluate(blocking=not self.cfg.eval.concurrent)
         if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.cfg.train.steps:
@@ -237,7 +255,7 @@ class Controller:
         self.evals[rnd] = _Eval(self.version, len(self.test))
         for p in self.test:
             self._submit_eval(EvalTicket(rnd, p.id))
-        while blocking and rnd in self.evals:
+        while blocking and rnd in self.evals and not self.stop.requested:
             self.handle(self.backend.wait())
 
     def _submit_eval(self, ticket: EvalTicket) -> None:
@@ -285,6 +303,19 @@ class Controller:
                 self.evals[ticket.round].expected -= 1
                 self._eval_result(None, ticket.round)
 
+    def wind_down(self) -> None:
+        """After a stop request: let the step in flight finish (up to ``train.stop_grace_seconds``;
+        rollouts still running are not waited for, their prompts are re-queued by the checkpoint),
+        then checkpoint unless the newest checkpoint is of this step. A step that does not finish in
+        time is abandoned: nothing is saved and the run resumes from its newest checkpoint."""
+        deadline = self.backend.now() + self.cfg.train.stop_grace_seconds
+        while self.training is not None and self.backend.now() < deadline:
+            self.handle(self.backend.wait())
+        self.abandoned = self.training is not None
+        if not self.abandoned and self.step != self.checkpointed:
+            self.checkpoint()
+        self.telemetry.stopped(self.stop.name, self.step, self.checkpointed, self.abandoned)
+
     def checkpoint(self) -> Path:
         """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.
 
@@ -303,10 +334,13 @@ class Controller:
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
             "staleness": self.staleness.state_dict(requeued=len(self.buffer)),
         }
+        (tmp / CONFIG_FILE).write_text(dump(self.cfg))  # what --resume checks a changed config against
         (tmp / STATE_FILE).write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[: -self.cfg.checkpoint.keep]:
+        self.checkpointed = self.step
+        older = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)  # the one just written always stays
+        for old in older[: max(0, len(older) - (self.cfg.checkpoint.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         self.telemetry.checkpoint(final)
         return final
@@ -323,6 +357,7 @@ class Controller:
         self.ledger.load_state_dict(state["ledger"])
         self.staleness.load_state_dict(state["staleness"])
         self.eval_history, self.eval_rounds = list(state["eval_history"]), int(state["eval_rounds"])
+        self.checkpointed = self.step
         self.backend.load(str(folder), self.version)
 
 

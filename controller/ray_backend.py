@@ -210,6 +210,9 @@ class RayBackend(Backend):
                 f"drpo train --resume {self.cfg.run_dir}"
             ) from None
 
+    def probe_storage(self, run_dir: str, nonce: str) -> list[dict]:
+        return self._learner_call(self.learner.check_storage, run_dir, nonce) if self.learner is not None else []
+
     def save(self, folder: str) -> None:
         self._learner_call(self.learner.save_checkpoint, folder)
 

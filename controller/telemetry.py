@@ -134,6 +134,10 @@ class Telemetry:
     def checkpoint(self, path: Path) -> None:
         self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})
 
+    def stopped(self, signal: str | None, step: int, checkpointed: int, abandoned: bool) -> None:
+        """The run stopped early on ``signal`` at ``step``; it resumes from the checkpoint of ``checkpointed``."""
+        self._write({"kind": "stop", "time": self.clock(), "signal": signal, "step": step, "resume_step": checkpointed, "abandoned": abandoned})
+
     def _publish(self, values: dict, record: dict | None = None) -> None:
         self._write(record if record is not None else values)
         values = {**values, "last_step_timestamp_seconds": time.time()} if record is None else values

@@ -52,3 +52,37 @@ def load(path: str | Path, mmap: bool = False) -> dict:
 def check_compatible(state: dict, meta: dict) -> None:
     if state["meta"] != meta:
         raise CheckpointError(f"checkpoint was written for {state['meta']}, this learner is {meta}")
+
+
+STORAGE_DIR = ".drpo-storage"
+"""Where the shared-storage check of a run's start leaves its markers (inside the run folder)."""
+
+
+def write_storage_marker(run_dir: str | Path, who: str, nonce: str | None = None) -> str:
+    """Write ``RUN_DIR/.drpo-storage/<who>`` holding ``nonce`` (a fresh one if None); returns it."""
+    import uuid
+
+    nonce = nonce or uuid.uuid4().hex
+    folder = Path(run_dir) / STORAGE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / who).write_text(nonce)
+    return nonce
+
+
+def read_storage_marker(run_dir: str | Path, who: str) -> str | None:
+    try:
+        return (Path(run_dir) / STORAGE_DIR / who).read_text().strip()
+    except OSError:
+        return None
+
+
+def storage_probe(run_dir: str | Path, rank: int, expected: str) -> dict:
+    """On a learner rank: what it sees of the driver's marker in ``run_dir``; if it is the expected
+    one, the rank writes its own marker back for the driver to read."""
+    import socket
+
+    seen = read_storage_marker(run_dir, "driver")
+    who = f"rank-{rank:05d}"
+    if seen == expected:
+        write_storage_marker(run_dir, who, expected)
+    return {"rank": rank, "who": who, "nonce": seen, "path": str(run_dir), "host": socket.gethostname()}

@@ -20,6 +20,10 @@ from learner.learner import StepMetrics
 from learner.worker import LearnerWorker
 
 
+SHUTDOWN_SECONDS = 10.0
+"""How long shutdown waits for the ranks to leave their process groups before killing them."""
+
+
 class LearnerGroup:
     def __init__(
         self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None,
@@ -87,15 +91,24 @@ class LearnerGroup:
     def broadcast(self, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Publication:
         return ray.get([w.broadcast.remote(max_bytes) for w in self.workers])[0]
 
+    def check_storage(self, run_dir: str | list[str], nonce: str) -> list[dict]:
+        """Every rank's view of the driver's storage marker in ``run_dir`` (one path, or one per rank)."""
+        paths = [run_dir] * len(self.workers) if isinstance(run_dir, str) else run_dir
+        return ray.get([w.check_storage.remote(p, nonce) for w, p in zip(self.workers, paths)])
+
     def save_checkpoint(self, folder: str) -> list[str]:
         return ray.get([w.save_checkpoint.remote(folder) for w in self.workers])
 
     def load_checkpoint(self, folder: str) -> None:
         ray.get([w.load_checkpoint.remote(folder) for w in self.workers])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = SHUTDOWN_SECONDS) -> None:
+        """Leave the process groups and stop every rank; a rank still busy after ``timeout`` seconds
+        (a step in flight when the run is stopped at once) is killed."""
         try:
-            ray.get([w.shutdown.remote() for w in self.workers])
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            pass
         finally:
             for w in self.workers:
                 ray.kill(w)

@@ -8,7 +8,7 @@ import time
 import ray
 import torch
 
-from learner import distributed, publish
+from learner import checkpoint, distributed, publish
 from learner.broadcast import WeightBroadcastGroup
 from learner.config import LearnerConfig
 from learner.batch import TrainBatch
@@ -31,6 +31,10 @@ class LearnerWorker:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def check_storage(self, run_dir: str, nonce: str) -> dict:
+        """What this rank sees of the driver's marker in ``run_dir`` (learner.checkpoint.storage_probe)."""
+        return {**checkpoint.storage_probe(run_dir, self.rank, nonce), "node": self.node_id()}
 
     def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
         """Join the process group and load the model; every rank must call this concurrently."""

@@ -52,3 +52,20 @@ def test_two_worker_group_steps_and_publishes_weights_a_consumer_can_load(ray_lo
         assert not torch.equal(initial["model.layers.0.mlp.up_proj.weight"], weights["model.layers.0.mlp.up_proj.weight"])
     finally:
         group.shutdown()
+
+
+def test_the_storage_check_fails_at_start_naming_the_rank_that_sees_another_folder(ray_local, tiny_folder, tmp_path):
+    from controller.run_folder import StorageError, check_shared
+    from learner.group import LearnerGroup
+
+    run_dir, node_local = tmp_path / "run", tmp_path / "not-shared"
+    run_dir.mkdir(), node_local.mkdir()
+    group = LearnerGroup(LearnerConfig(parallel=ParallelConfig(data=2)), str(tiny_folder))
+    try:
+        check_shared(run_dir, lambda nonce: group.check_storage(str(run_dir), nonce))  # one folder: passes
+        node = ray_local.get(group.workers[1].node_id.remote())
+        # rank 1 is given another path: what a node-local run_dir looks like from a second machine
+        with pytest.raises(StorageError, match=f"learner rank 1 on node {node} .* at {node_local} it found no marker"):
+            check_shared(run_dir, lambda nonce: group.check_storage([str(run_dir), str(node_local)], nonce))
+    finally:
+        group.shutdown()

@@ -1,0 +1,160 @@
+"""A run folder holds exactly one run: its identity, what a new run may overwrite, what a resume
+must keep, and the check that every node of a cluster sees the same folder.
+
+    RUN_DIR/run.json         the run's id (written once, when the run starts)
+    RUN_DIR/config.yaml      the config of the latest start (each checkpoint keeps its own copy)
+    RUN_DIR/metrics.jsonl    every session's lines, appended
+    RUN_DIR/checkpoints/     step-N folders (learner rank parts, controller.json, config.yaml)
+    RUN_DIR/.drpo-storage/   the shared-storage markers of the latest start
+
+A new run refuses a folder that already holds another run's metrics or checkpoints (unless told to
+overwrite, which deletes only what drpo wrote there); ``--resume`` refuses a checkpoint whose model,
+task, objective family or learner layout differ from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+from controller.config import RunConfig, dump
+from controller.loop import CONFIG_FILE, STATE_FILE, complete_checkpoints
+from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_storage_marker
+
+RUN_FILE = "run.json"
+OWNED = (
+    "checkpoints", "metrics.jsonl", CONFIG_FILE, RUN_FILE, STORAGE_DIR, "hf", "eval", "report", "tensorboard", "wandb", "mlruns",
+)
+"""Everything a run writes into its folder: what ``overwrite`` deletes (nothing else is touched)."""
+IDENTITY = ("model", "task", "learner.objective.type", "learner.parallel")
+"""Config fields a resumed run must keep (dotted prefixes): the weights, the prompts the ledger
+counts, the objective family and the rank layout of the checkpoint's parts. Everything else (steps,
+learning rate and other schedules, evaluation, checkpoint cadence, objective hyper-parameters) may
+change on resume."""
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be used as asked; the message names it and the ways on."""
+
+
+def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | None:
+    """Make ``cfg.run_dir`` ready for this start; returns the checkpoint to resume from (None: from
+    step 0). A new run refuses an occupied folder (``overwrite``: delete what drpo wrote first)."""
+    run_dir = Path(cfg.run_dir)
+    if resume:
+        return _prepare_resume(cfg, run_dir)
+    held = occupant(run_dir)
+    if held and not overwrite:
+        raise RunFolderError(
+            f"run folder {run_dir} already holds a run ({held}). Continue it with `drpo train --resume {run_dir}`, "
+            f"or give this run another folder (--set run_dir=...), or start over in it with --overwrite "
+            "(deletes that run's metrics and checkpoints)"
+        )
+    if overwrite:
+        for name in OWNED:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _new_identity(run_dir)
+    (run_dir / CONFIG_FILE).write_text(dump(cfg))
+    return None
+
+
+def occupant(run_dir: Path) -> str | None:
+    """What of another run ``run_dir`` holds (checkpoints, metrics lines), or None."""
+    parts = []
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    if checkpoints:
+        parts.append(f"{len(checkpoints)} checkpoint(s), newest {checkpoints[-1].name}")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        with metrics.open("rb") as f:
+            parts.append(f"metrics.jsonl with {sum(1 for _ in f)} lines")
+    return ", ".join(parts) or None
+
+
+def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The latest complete checkpoint, or None for a run stopped before its first one (it starts over
+    at step 0 in the same folder)."""
+    if not (run_dir / RUN_FILE).is_file() and not (run_dir / CONFIG_FILE).is_file():
+        raise RunFolderError(f"--resume: {run_dir} is not a drpo run folder (no {RUN_FILE} or {CONFIG_FILE})")
+    done = complete_checkpoints(run_dir)
+    checkpoint = done[-1] if done else None
+    if checkpoint is None and any((run_dir / "checkpoints").glob("step-*")):
+        raise RunFolderError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (each step-N lacks {STATE_FILE})")
+    saved = checkpoint / CONFIG_FILE if checkpoint is not None and (checkpoint / CONFIG_FILE).is_file() else run_dir / CONFIG_FILE
+    if saved.is_file():
+        check_compatible(yaml.safe_load(saved.read_text()) or {}, cfg.model_dump(mode="json"), saved)
+    if not (run_dir / RUN_FILE).is_file():  # a folder from before run ids
+        _new_identity(run_dir)
+    (run_dir / CONFIG_FILE).write_text(dump(cfg))
+    return checkpoint
+
+
+def _leaves(tree, prefix: str) -> dict[str, object]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out or {prefix: {}}
+
+
+def _at(tree: dict, dotted: str):
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def check_compatible(saved: dict, config: dict, source: Path) -> None:
+    """Refuse to resume under a config whose identity fields (IDENTITY) differ from ``saved``'s."""
+    for field in IDENTITY:
+        old, new = _leaves(_at(saved, field), field), _leaves(_at(config, field), field)
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise RunFolderError(
+                    f"--resume: {key} is {new.get(key)!r} in this config but the checkpoint was trained with {old.get(key)!r} "
+                    f"({source}). A resumed run keeps its model, task, objective family and learner layout; steps, schedules and "
+                    "evaluation may change. Start a different run in another run_dir"
+                )
+
+
+def _new_identity(run_dir: Path) -> None:
+    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": uuid.uuid4().hex, "created": time.time(), "host": socket.gethostname()}) + "\n")
+
+
+def run_id(run_dir: str | Path) -> str | None:
+    path = Path(run_dir) / RUN_FILE
+    try:
+        return json.loads(path.read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class StorageError(RuntimeError):
+    """The run folder is not the same storage on every node that writes to it."""
+
+
+def check_shared(run_dir: str | Path, probe) -> None:
+    """The driver writes a marker; ``probe(nonce)`` has every learner rank read it and write its own
+    back (``learner.checkpoint.storage_probe``), returning what each saw; the driver then reads the
+    ranks' markers. Any rank that saw a different folder fails the start, named with its node."""
+    run_dir = Path(run_dir)
+    nonce = write_storage_marker(run_dir, "driver")
+    advice = (
+        "a cluster run needs run_dir on storage every node mounts at the same path (NFS, EFS, Lustre, a "
+        "CSI volume; see deploy/README.md)"
+    )
+    for seen in probe(nonce):
+        where = f"learner rank {seen['rank']} on node {seen['node']} (host {seen['host']})"
+        if seen["nonce"] != nonce:
+            found = "no marker" if seen["nonce"] is None else f"another run's marker {seen['nonce'][:8]}"
+            raise StorageError(f"{where} does not see the run folder the driver writes: at {seen['path']} it found {found}; {advice}")
+        if read_storage_marker(run_dir, seen["who"]) != nonce:
+            raise StorageError(f"the driver does not see what {where} wrote into {seen['path']}; {advice}")

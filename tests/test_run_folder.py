@@ -1,0 +1,133 @@
+"""One run per folder, resume that keeps a run's identity, retention, graceful stop and the shared-storage
+check, through `drpo train --simulate` (the same Controller, run folder and checkpoint code as a real run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from controller.app import train
+from controller.cli import main
+from controller.config import ConfigError, load_config
+from controller.loop import complete_checkpoints
+from controller.run_folder import RunFolderError, StorageError, check_shared
+from controller.stop import Interrupted, StopRequest
+from learner.checkpoint import storage_probe
+from rollout.tasks import arithmetic_split
+from tests.fault_checks import assert_ledger_exact
+from tests.test_controller_sim import sim_config
+
+FAST = ["--simulate", "--set", "metrics.port=null", "--set", "metrics.progress=false", "--set", "eval.every=0", "--set", "eval.at_start=false"]
+
+
+def drpo_train(run_dir: Path, *args: str) -> int:
+    return main(["train", *FAST, "--set", f"run_dir={run_dir}", *args])
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_second_run_into_an_occupied_folder_is_refused_by_name_and_overwrite_starts_clean(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (tmp_path / "run").mkdir()
+    (run_dir / "notes.txt").write_text("the user's own file")
+    assert drpo_train(run_dir, "--set", "train.steps=4", "--set", "checkpoint.every=2") == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert drpo_train(run_dir, "--set", "train.steps=1") == 2
+    err = capsys.readouterr().err
+    assert f"run folder {run_dir} already holds a run" in err and f"drpo train --resume {run_dir}" in err and "--overwrite" in err
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing of the first run was touched
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000002", "step-000004"]
+    first_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+
+    assert drpo_train(run_dir, "--set", "train.steps=1", "--overwrite") == 0
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000001"]
+    assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1]  # no old lines
+    assert json.loads((run_dir / "run.json").read_text())["run_id"] != first_id
+    assert (run_dir / "notes.txt").read_text() == "the user's own file"  # overwrite deletes only what drpo wrote
+    assert main(["train", "--resume", str(run_dir), "--overwrite"]) == 2
+
+
+def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_continues_with_more_steps(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    for change, field in (("model.path=/elsewhere/model", "model.path"), ("learner.objective.type=dppo_binary_tv", "learner.objective.type")):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(run_dir), "--set", change]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume: {field} is" in err and "step-000002" in err
+    assert main(["train", "--resume", str(run_dir), "--set", "train.steps=4", "--set", "learner.optimizer.lr=1e-6"]) == 0
+    steps = [r["step"] for r in lines(run_dir) if r["kind"] == "step"]
+    assert steps == [1, 2, 3, 4]
+    cfg = load_config(run_dir / "config.yaml")
+    assert_ledger_exact(run_dir, [p.id for p in arithmetic_split("train", cfg.task.train_size)], cfg.seed, 4, cfg.train.prompts_per_step, 0)
+
+
+def test_retention_never_deletes_the_newest_checkpoint_of_the_run(tmp_path):
+    cfg = sim_config(tmp_path, steps=6, checkpoint_every=2)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"keep": 1})})
+    train(cfg)
+    root = Path(cfg.run_dir) / "checkpoints"
+    assert [p.name for p in complete_checkpoints(cfg.run_dir)] == ["step-000006"]
+    (root / "step-000099").mkdir()  # a foreign, higher-numbered folder that sorts last
+    train(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 8})}), resume=True)
+    assert (root / "step-000008" / "controller.json").is_file()
+
+
+def test_a_run_dir_uri_is_refused_at_load_time(tmp_path):
+    with pytest.raises(ConfigError, match="run_dir must be a filesystem path"):
+        load_config(None, ["run_dir=s3://bucket/runs/x"])
+
+
+def test_sigterm_winds_a_run_down_with_a_checkpoint_and_resume_is_exact(tmp_path):
+    cfg = sim_config(tmp_path, steps=100_000, max_staleness=2)
+    stop = StopRequest()
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
+    with stop.handling_signals():
+        timer.start()
+        result = train(cfg, stop=stop)
+    assert result.stopped_by == "SIGTERM" and 0 < result.steps < 100_000 and result.resume_step == result.steps
+    record = [r for r in lines(Path(cfg.run_dir)) if r["kind"] == "stop"][-1]
+    assert record == {**record, "signal": "SIGTERM", "step": result.steps, "abandoned": False}
+    ids = [p.id for p in arithmetic_split("train", cfg.task.train_size)]
+    assert_ledger_exact(Path(cfg.run_dir), ids, cfg.seed, result.steps, cfg.train.prompts_per_step, 2)  # in-flight work re-queued
+    more = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": result.steps + 3})})
+    train(more, resume=True)
+    assert_ledger_exact(Path(cfg.run_dir), ids, cfg.seed, result.steps + 3, cfg.train.prompts_per_step, 2)
+
+
+def test_a_second_signal_or_one_during_start_up_stops_at_once():
+    stop = StopRequest()
+    with pytest.raises(Interrupted, match="SIGINT"):
+        stop.request(signal.SIGINT)  # start-up: nothing to save yet
+    stop.graceful = True
+    stop.request(signal.SIGTERM)
+    assert stop.requested and stop.name == "SIGTERM"
+    with pytest.raises(Interrupted) as second:
+        stop.request(signal.SIGTERM)
+    assert second.value.signum == signal.SIGTERM
+
+
+def test_the_storage_check_names_the_rank_that_sees_another_folder(tmp_path):
+    shared, elsewhere = tmp_path / "shared", tmp_path / "node-local"
+    shared.mkdir(), elsewhere.mkdir()
+
+    def probe(nonce):  # rank 1 mounts something else at the run folder's path
+        return [{**storage_probe(path, rank, nonce), "node": f"node-{rank}"} for rank, path in enumerate([shared, elsewhere])]
+
+    with pytest.raises(StorageError, match=r"learner rank 1 on node node-1 .*found no marker"):
+        check_shared(shared, probe)
+    check_shared(shared, lambda nonce: [{**storage_probe(shared, r, nonce), "node": "n"} for r in range(2)])  # same folder: passes
+
+
+def test_resume_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
+    cfg = sim_config(tmp_path, steps=1)
+    with pytest.raises(RunFolderError, match="is not a drpo run folder"):
+        train(cfg, resume=True)
