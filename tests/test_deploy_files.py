@@ -59,6 +59,24 @@ def test_rayjob_manifest_has_learner_and_rollout_groups_and_a_real_entrypoint():
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
 
 
+def test_every_rayjob_pod_mounts_the_shared_claim_that_holds_the_cluster_presets_run_dir():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    claim = yaml.safe_load((DEPLOY / "kuberay" / "shared-storage.yaml").read_text())
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    run_dir = load_config(REPO / "controller/presets/cluster-gpu.yaml").run_dir
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        volumes = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+        (container,) = pod["containers"]
+        mounts = [m for m in container["volumeMounts"] if volumes.get(m["name"]) == claim["metadata"]["name"]]
+        assert any(run_dir.startswith(m["mountPath"].rstrip("/") + "/") for m in mounts), container["name"]
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > load_config(REPO / "controller/presets/cluster-gpu.yaml").train.stop_grace_seconds
+    for name in ("runtime_env.yaml", "runtime_env.local.yaml"):
+        assert int(yaml.safe_load((DEPLOY / name).read_text())["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) > 120
+
+
 def test_dashboards_are_grafana_json_and_match_their_generator():
     built = dashboards.build()
     files = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))

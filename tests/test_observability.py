@@ -3,6 +3,7 @@ alert rule returns data through its HTTP API. `ray job submit` runs a training j
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -132,3 +133,30 @@ def test_ray_job_submit_runs_training_and_its_metrics_are_scraped(ray_head, tiny
         assert (tmp_path / "run" / "checkpoints" / "step-000004" / "controller.json").is_file()
     finally:
         prom.close()
+
+
+def test_ray_job_stop_winds_the_run_down_with_a_checkpoint_and_the_resume_command(ray_head, tiny_chat_model, tmp_path):
+    ray_bin, job_api, env = ray_head
+    config = tmp_path / "job.yaml"
+    cfg = run_config(tmp_path, tiny_chat_model, steps=500).model_dump(mode="json")
+    cfg["checkpoint"]["every"], cfg["eval"]["every"] = 0, 0
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**env, "RAY_ADDRESS": job_api, "RUNTIME_ENV": "deploy/runtime_env.local.yaml", "PYTHON": sys.executable, "RAY": ray_bin}
+    submitted = subprocess.run(["bash", "deploy/submit.sh", "--config", str(config)], cwd=REPO, capture_output=True, text=True,
+                               timeout=300, env={**env, "SUBMIT_FLAGS": "--no-wait"})
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    job_id = next(w.strip("'") for w in (submitted.stdout + submitted.stderr).split() if w.strip("'").startswith("raysubmit_"))
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.is_file() and metrics.read_text().count('"kind": "step"') >= 2):
+        assert time.time() < deadline, "the job never trained two steps"
+        time.sleep(1)
+    subprocess.run([ray_bin, "job", "stop", job_id, "--address", job_api], env=env, capture_output=True, text=True, timeout=300)
+    logs = subprocess.run([ray_bin, "job", "logs", job_id, "--address", job_api], env=env, capture_output=True, text=True, timeout=60).stdout
+    status = subprocess.run([ray_bin, "job", "status", job_id, "--address", job_api], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert "was stopped" in status
+    (stop,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "stop"]
+    assert stop["signal"] == "SIGTERM" and not stop["abandoned"] and stop["resume_step"] == stop["step"] >= 2
+    assert (run_dir / "checkpoints" / f"step-{stop['step']:06d}" / "controller.json").is_file()
+    assert f"drpo train --resume {run_dir}" in logs

@@ -55,7 +55,7 @@ def test_a_second_run_into_an_occupied_folder_is_refused_by_name_and_overwrite_s
     assert main(["train", "--resume", str(run_dir), "--overwrite"]) == 2
 
 
-def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_continues_with_more_steps(tmp_path, capsys):
+def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_a_moved_folder_continues_with_more_steps(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
     for change, field in (("model.path=/elsewhere/model", "model.path"), ("learner.objective.type=dppo_binary_tv", "learner.objective.type")):
@@ -63,7 +63,11 @@ def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_continue
         assert main(["train", "--resume", str(run_dir), "--set", change]) == 2
         err = capsys.readouterr().err
         assert f"--resume: {field} is" in err and "step-000002" in err
+    moved = tmp_path / "moved"
+    run_dir.rename(moved)  # an operator moves the run: it resumes where it now is
+    run_dir = moved
     assert main(["train", "--resume", str(run_dir), "--set", "train.steps=4", "--set", "learner.optimizer.lr=1e-6"]) == 0
+    assert load_config(run_dir / "config.yaml").run_dir == str(run_dir)
     steps = [r["step"] for r in lines(run_dir) if r["kind"] == "step"]
     assert steps == [1, 2, 3, 4]
     cfg = load_config(run_dir / "config.yaml")
