@@ -61,6 +61,10 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.set or [])
     config = args.config
     if args.resume:
+        problem = _resume_problem(args.resume, overrides, config)
+        if problem:
+            print(f"drpo train: --resume {args.resume}: {problem}", file=sys.stderr)
+            return 2
         config = config or str(Path(args.resume) / "config.yaml")
         overrides.append(f"run_dir={args.resume}")
     try:
@@ -77,10 +81,30 @@ def _train(args: argparse.Namespace) -> int:
         try:
             return _run(cfg, args, stop)
         except Interrupted as err:
-            print(f"\ndrpo train: {err}; the run continues from its newest checkpoint with: drpo train --resume {cfg.run_dir}", file=sys.stderr)
+            from controller.loop import checkpoint_step, latest_checkpoint
+
+            last = latest_checkpoint(cfg.run_dir)
+            where = f"its checkpoint of step {checkpoint_step(last)}" if last else "the start (no checkpoint yet)"
+            print(f"\ndrpo train: {err}; resume continues from {where} with: drpo train --resume {cfg.run_dir}", file=sys.stderr)
             return 128 + err.signum
         finally:
+            stop.closing = True  # signals now only say so: Ray's shutdown must not be cut short
             _shutdown_ray()
+
+
+def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> str | None:
+    """Why ``--resume run_dir`` cannot start, before any config is read (None: it can)."""
+    from pathlib import Path
+
+    if "://" in run_dir:
+        return "takes the run folder's filesystem path (object-store URIs are not supported)"
+    if any(o.split("=", 1)[0].strip() == "run_dir" for o in overrides):
+        return "names the run folder; drop --set run_dir (to move a run, move its folder and resume it there)"
+    if not Path(run_dir).is_dir():
+        return "no such folder"
+    if config is None and not (Path(run_dir) / "config.yaml").is_file():
+        return "not a drpo run folder (no config.yaml)"
+    return None
 
 
 def _run(cfg, args: argparse.Namespace, stop) -> int:

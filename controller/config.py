@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from learner.config import LearnerConfig
 from objectives.config import AdvantageConfig
@@ -199,13 +199,18 @@ class RunConfig(_Config):
     simulation: SimulationConfig | None = Field(None, description="Set to run the scheduler on sampled durations (no models).")
     ray_address: str | None = Field(None, description="Ray cluster to join; None = RAY_ADDRESS if set, else a local cluster in this process.")
 
+    @field_validator("run_dir")
+    @classmethod
+    def _a_path(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError(
+                f"must be a filesystem path, got the URI {value!r}: a cluster run needs a folder on storage every node mounts "
+                "at the same path (NFS, EFS, Lustre, a CSI volume); object-store URIs are not supported"
+            )
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        if "://" in self.run_dir:
-            raise ValueError(
-                f"run_dir must be a filesystem path, got the URI {self.run_dir!r}: a cluster run needs a folder on storage every "
-                "node mounts at the same path (NFS, EFS, Lustre, a CSI volume); object-store URIs are not supported"
-            )
         if abs(self.learner.temperature - self.rollout.temperature) > 1e-12:
             raise ValueError(
                 f"learner.temperature ({self.learner.temperature}) must equal rollout.temperature ({self.rollout.temperature}): "

@@ -8,7 +8,7 @@ must keep, and the check that every node of a cluster sees the same folder.
     RUN_DIR/.drpo-storage/   the shared-storage markers of the latest start
 
 A new run refuses a folder that already holds another run's metrics or checkpoints (unless told to
-overwrite, which deletes only what drpo wrote there); ``--resume`` refuses a checkpoint whose model,
+overwrite, which deletes only what drpo wrote there: OWNED); ``--resume`` refuses a checkpoint whose model,
 task, objective family or learner layout differ from the config.
 """
 
@@ -24,14 +24,17 @@ from pathlib import Path
 import yaml
 
 from controller.config import RunConfig, dump
-from controller.loop import CONFIG_FILE, STATE_FILE, complete_checkpoints
+from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_storage_marker
 
 RUN_FILE = "run.json"
 OWNED = (
-    "checkpoints", "metrics.jsonl", CONFIG_FILE, RUN_FILE, STORAGE_DIR, "hf", "eval", "report", "tensorboard", "wandb", "mlruns",
+    "checkpoints/step-*", "checkpoints/.tmp-step-*", "metrics.jsonl", CONFIG_FILE, RUN_FILE, STORAGE_DIR, "hf/step-*",
+    "eval/step-*.json", "report/*.html", "report/*.png", "tensorboard/events.out.tfevents.*", "wandb/*run-*", "wandb/latest-run",
+    "mlruns",
 )
-"""Everything a run writes into its folder: what ``overwrite`` deletes (nothing else is touched)."""
+"""What a run writes into its folder (globs): what ``overwrite`` deletes. Anything else there, the
+user's own files in those sub-folders included, stays."""
 IDENTITY = ("model", "task", "learner.objective.type", "learner.parallel")
 """Config fields a resumed run must keep (dotted prefixes): the weights, the prompts the ledger
 counts, the objective family and the rank layout of the checkpoint's parts. Everything else (steps,
@@ -47,6 +50,8 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
     """Make ``cfg.run_dir`` ready for this start; returns the checkpoint to resume from (None: from
     step 0). A new run refuses an occupied folder (``overwrite``: delete what drpo wrote first)."""
     run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(f"run_dir {run_dir} is a file, not a folder")
     if resume:
         return _prepare_resume(cfg, run_dir)
     held = occupant(run_dir)
@@ -54,12 +59,12 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
         raise RunFolderError(
             f"run folder {run_dir} already holds a run ({held}). Continue it with `drpo train --resume {run_dir}`, "
             f"or give this run another folder (--set run_dir=...), or start over in it with --overwrite "
-            "(deletes that run's metrics and checkpoints)"
+            "(deletes what drpo wrote there: checkpoints, metrics, exports, eval results, logger files; nothing else)"
         )
     if overwrite:
-        for name in OWNED:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        for pattern in OWNED:
+            for path in run_dir.glob(pattern):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     _new_identity(run_dir)
     (run_dir / CONFIG_FILE).write_text(dump(cfg))
@@ -91,6 +96,11 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     saved = checkpoint / CONFIG_FILE if checkpoint is not None and (checkpoint / CONFIG_FILE).is_file() else run_dir / CONFIG_FILE
     if saved.is_file():
         check_compatible(yaml.safe_load(saved.read_text()) or {}, cfg.model_dump(mode="json"), saved)
+    if checkpoint is not None and checkpoint_step(checkpoint) >= cfg.train.steps:
+        raise RunFolderError(
+            f"--resume: {run_dir} is already at step {checkpoint_step(checkpoint)} (train.steps is {cfg.train.steps}); "
+            f"to train further, raise it: --set train.steps=N"
+        )
     if not (run_dir / RUN_FILE).is_file():  # a folder from before run ids
         _new_identity(run_dir)
     (run_dir / CONFIG_FILE).write_text(dump(cfg))
@@ -121,7 +131,7 @@ def check_compatible(saved: dict, config: dict, source: Path) -> None:
                 raise RunFolderError(
                     f"--resume: {key} is {new.get(key)!r} in this config but the checkpoint was trained with {old.get(key)!r} "
                     f"({source}). A resumed run keeps its model, task, objective family and learner layout; steps, schedules and "
-                    "evaluation may change. Start a different run in another run_dir"
+                    "evaluation may change. Start a different run in another folder (--set run_dir=...)"
                 )
 
 

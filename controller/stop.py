@@ -34,6 +34,8 @@ class StopRequest:
         self.graceful = False
         """False until the loop starts: a signal before then raises Interrupted."""
         self._previous: dict[int, object] = {}
+        self.closing = False
+        """True while the driver shuts down after the run: a signal then only says so."""
 
     @property
     def requested(self) -> bool:
@@ -45,6 +47,9 @@ class StopRequest:
 
     def request(self, signum: int) -> None:
         """What the signal handler does (tests call it directly)."""
+        if self.closing:
+            print(f"drpo train: {signal.Signals(signum).name} received while shutting down; almost done", file=sys.stderr, flush=True)
+            return
         if self.signum is not None or not self.graceful:
             raise Interrupted(signum)
         self.signum = signum

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -52,6 +53,16 @@ def test_a_second_run_into_an_occupied_folder_is_refused_by_name_and_overwrite_s
     assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1]  # no old lines
     assert json.loads((run_dir / "run.json").read_text())["run_id"] != first_id
     assert (run_dir / "notes.txt").read_text() == "the user's own file"  # overwrite deletes only what drpo wrote
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "mine.txt").write_text("kept")
+    (run_dir / "eval" / "step-000001-greedy.json").write_text("{}")  # what `drpo eval` writes
+    linked = tmp_path / "elsewhere"
+    linked.mkdir()
+    shutil.move(run_dir / "checkpoints", linked / "checkpoints")
+    (run_dir / "checkpoints").symlink_to(linked / "checkpoints")  # checkpoints put on other storage
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--overwrite") == 0
+    assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["mine.txt"]
+    assert [p.name for p in (linked / "checkpoints").iterdir()] == ["step-000002"] and (run_dir / "checkpoints").is_symlink()
     assert main(["train", "--resume", str(run_dir), "--overwrite"]) == 2
 
 
@@ -63,6 +74,13 @@ def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_a_moved_
         assert main(["train", "--resume", str(run_dir), "--set", change]) == 2
         err = capsys.readouterr().err
         assert f"--resume: {field} is" in err and "step-000002" in err
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert "is already at step 2 (train.steps is 2); to train further, raise it" in capsys.readouterr().err
+    for folder, why in ((tmp_path / "nowhere", "no such folder"), (tmp_path, "not a drpo run folder")):
+        assert main(["train", "--resume", str(folder)]) == 2 and why in capsys.readouterr().err
+    assert main(["train", "--resume", str(run_dir), "--set", f"run_dir={tmp_path}/x"]) == 2
+    assert "drop --set run_dir" in capsys.readouterr().err
     moved = tmp_path / "moved"
     run_dir.rename(moved)  # an operator moves the run: it resumes where it now is
     run_dir = moved
@@ -86,7 +104,7 @@ def test_retention_never_deletes_the_newest_checkpoint_of_the_run(tmp_path):
 
 
 def test_a_run_dir_uri_is_refused_at_load_time(tmp_path):
-    with pytest.raises(ConfigError, match="run_dir must be a filesystem path"):
+    with pytest.raises(ConfigError, match="run_dir: Value error, must be a filesystem path"):
         load_config(None, ["run_dir=s3://bucket/runs/x"])
 
 
@@ -117,6 +135,8 @@ def test_a_second_signal_or_one_during_start_up_stops_at_once():
     with pytest.raises(Interrupted) as second:
         stop.request(signal.SIGTERM)
     assert second.value.signum == signal.SIGTERM
+    stop.closing = True  # the driver is shutting Ray down: a signal must not cut that short
+    stop.request(signal.SIGINT)
 
 
 def test_the_storage_check_names_the_rank_that_sees_another_folder(tmp_path):

@@ -278,8 +278,8 @@ def main() -> None:
         "minutes": (time.time() - began) / 60, "steps": ledger_state["step"], "sessions": sessions, "stopped_by": result.stopped_by,
         "faults": {
             "rollout_worker_kills": sum("error" not in k for k in kills), "worker_lost_events": progress.lost_events,
-            "learner_node_losses_resumed": learner_losses, "chaos_failed_groups": len(failed),
-            "nan_mu_groups": sum("NaN or inf" in r for r in failed), "empty_response_groups": sum("empty" in r for r in failed),
+            "learner_node_losses_resumed": learner_losses, "failed_groups": len(failed),
+            "failed_nan_mu": sum("NaN or inf" in r for r in failed), "failed_every_response_empty": sum("every response is empty" in r for r in failed),
             "dataset_rows_skipped_per_session": skipped // max(1, sessions),
         },
         "ledger": counts,
