@@ -40,6 +40,20 @@ class Events:
     """Workers back from the dead, already serving the newest publication."""
 
 
+@dataclass(frozen=True)
+class PublishReport:
+    """What one publication cost."""
+
+    seconds: float
+    """From the call until the publication was handed off (``wait``: until every worker serves it)."""
+    nbytes: int = 0
+    transport: str = "object_store"
+    receive_seconds: tuple[float, ...] = ()
+    """broadcast: per receiving worker, seconds from its receive call until its engine held the weights."""
+    retries: int = 0
+    """broadcast: times the group was formed again and the publication re-sent (an engine died mid-way)."""
+
+
 class LearnerLost(RuntimeError):
     """A learner rank died: the run cannot go on; resume it from its last checkpoint."""
 
@@ -72,8 +86,8 @@ class Backend(ABC):
         publication reaches a worker."""
 
     @abstractmethod
-    def publish(self, version: int, wait: bool) -> float:
-        """Send the learner's weights to every worker; ``wait`` until all serve them. Returns seconds."""
+    def publish(self, version: int, wait: bool) -> PublishReport:
+        """Send the learner's weights to every worker; ``wait`` until all serve them."""
 
     def available(self, worker: int) -> bool:
         """Whether ``worker`` takes submissions now (False while it is dead or restarting)."""

@@ -27,7 +27,9 @@ class Batch:
     lags: tuple[int, ...]
     """Per group, in order: the largest version lag of its tokens."""
     metrics: dict[str, float]
-    """staleness/token_lag_hist/bin_i: response tokens per version lag (last bin: that lag or more)."""
+    """staleness/token_lag_hist/bin_i: response tokens per version lag (last bin: that lag or more);
+    staleness/spanning_responses: responses whose tokens came from more than one policy version
+    (a weight update landed while they were generated)."""
 
 
 class BatchBuilder:
@@ -75,4 +77,6 @@ class BatchBuilder:
             input_ids, mask, rollout_logp, seq_adv[:, None] * mask, lag,
             rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
         )
-        return Batch(train, tuple(int(v) for v in per_group), {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)})
+        spanning = sum(len(c.versions) > 0 and bool(c.versions.min() != c.versions.max()) for c in completions)
+        metrics = {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
+        return Batch(train, tuple(int(v) for v in per_group), {**metrics, "staleness/spanning_responses": float(spanning)})

@@ -112,6 +112,7 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     from controller.backend import LearnerLost
     from controller.run_folder import RunFolderError, StorageError
     from learner.checkpoint import CheckpointError
+    from learner.placement import PlacementError
 
     startup = {}
     if cfg.simulation is None:
@@ -125,7 +126,8 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     except (LearnerLost, StorageError) as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, CheckpointError, RunFolderError) as err:  # a missing dataset or model, a bad checkpoint, an occupied folder
+    except (FileNotFoundError, CheckpointError, RunFolderError, PlacementError) as err:
+        # a missing dataset or model, a bad checkpoint, an occupied folder, a cluster without the configured roles
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
     print(result.summary)

@@ -57,6 +57,10 @@ class ChaosConfig(_Config):
     nan_logp_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a group's mu comes back NaN (bad engine output).")
     empty_response_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a sample's response is cut to zero tokens.")
     reward_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability the reward function raises for a sample.")
+    exit_on_receive: int | None = Field(
+        None, ge=1, description="Worker 0 exits (its process dies) at its N-th broadcast receive, in its first life only: "
+        "a worker dying during a publication.",
+    )
     seed: int = Field(0, description="Seed of the injected faults.")
 
 
@@ -79,13 +83,25 @@ class RolloutConfig(_Config):
     reward: Literal["literal", "math_verify"] = Field("literal", description="Reward function.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
-    engine_kwargs: dict[str, int | float | str | bool] = Field(default_factory=dict, description="Extra engine arguments (e.g. vLLM's kv_cache_memory_bytes).")
+    kv_cache_gib: float | None = Field(
+        None, gt=0.0, description="vllm: KV cache per engine in GiB. None: 1 GiB on CPU (vLLM's CPU default would reserve most "
+        "of the machine per worker); on GPU vLLM's gpu_memory_utilization decides.",
+    )
+    engine_kwargs: dict[str, int | float | str | bool] = Field(default_factory=dict, description="Extra engine arguments (e.g. vLLM's max_model_len).")
+    node_resource: str | None = Field(
+        None, min_length=1, description="Ray custom resource a node must declare to host rollout workers (each worker's bundle "
+        "requests ROLE_RESOURCE_SHARE of it), e.g. rollout_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
+    )
 
 
 class LearnerResources(_Config):
     cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per learner rank.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
     threads: int = Field(1, ge=1, description="torch threads per learner rank.")
+    node_resource: str | None = Field(
+        None, min_length=1, description="Ray custom resource a node must declare to host learner ranks (each rank's bundle "
+        "requests ROLE_RESOURCE_SHARE of it), e.g. learner_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
+    )
 
 
 class TrainConfig(_Config):

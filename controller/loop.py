@@ -231,11 +231,11 @@ class Controller:
         for g, lag in zip(done.groups, done.batch.lags):
             self.ledger.record(g.ticket, "trained", self.step, lag=lag)
         self.version = result.version
-        publish_seconds = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
+        published = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
         stats = self.staleness.stats()
         self.telemetry.step(StepReport(
             step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.scores],
-            lags=done.batch.lags, batch_metrics=done.batch.metrics, publish_seconds=publish_seconds, staleness=stats,
+            lags=done.batch.lags, batch_metrics=done.batch.metrics, published=published, staleness=stats,
             max_staleness=self.cfg.train.max_staleness, queue_depth=sum(self.load), buffered=len(self.buffer),
             ledger=self.ledger.counts(),
         ))

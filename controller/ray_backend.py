@@ -17,10 +17,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import objectives
-from controller.backend import Backend, Events, LearnerLost, TrainResult
+from controller.backend import Backend, Events, LearnerLost, PublishReport, TrainResult
+from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
+from learner.placement import PlacementError, wait_placed
 from learner.publish import DEFAULT_BUCKET_BYTES
 from rollout.records import Ticket
 from rollout.tasks import Problem
@@ -33,8 +35,30 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20
 PUBLISH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float32"}
 """The dtype weights are published in, by engine precision: what the engine holds (bf16 halves the
 bytes moved); fp8 engines quantize from full precision."""
+ROLE_RESOURCE_SHARE = 0.001
+"""How much of a role's node resource (``*.node_resource``) each bundle requests: a node declaring 1
+hosts up to 1,000 ranks or workers of that role, and none of the other."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
+
+
+def _role(resource: str | None) -> dict[str, float]:
+    return {resource: ROLE_RESOURCE_SHARE} if resource else {}
+
+
+def check_roles(cfg: RunConfig, learner: bool = True) -> None:
+    """Every role resource the config names is declared by some node of the cluster, or the run
+    stops before placing anything, naming the field and the resource."""
+    declared = {k for k in ray.cluster_resources() if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}
+    roles = [("rollout.node_resource", "rollout", cfg.rollout.node_resource)]
+    if learner:
+        roles.append(("learner_resources.node_resource", "learner", cfg.learner_resources.node_resource))
+    for field, role, name in roles:
+        if name and name not in declared:
+            raise PlacementError(
+                f"{field}: no node of this Ray cluster declares the resource {name!r} (declared: {sorted(declared) or 'none'}); "
+                f"start the {role} nodes with `ray start --resources='{{\"{name}\": 1}}'` (deploy/kuberay/rayjob.yaml does)"
+            )
 
 
 class RayBackend(Backend):
@@ -45,15 +69,17 @@ class RayBackend(Backend):
         self.cfg = cfg
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
+        check_roles(cfg, learner)
         # the learner's placement group is reserved first (PACK: its ranks together), then the
         # engines load while the learner ranks build their model: start-up is their maximum, not their sum
         self.learner = LearnerGroup(
             cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads, wait=False,
+            resources=_role(res.node_resource),
         ) if learner else None
         self.workers = ro.workers
-        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {})}
+        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **_role(ro.node_resource)}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
-        ray.get(self.pg.ready())
+        wait_placed(self.pg, "the rollout workers", [bundle] * ro.workers)
         sampling = {
             "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
@@ -62,6 +88,8 @@ class RayBackend(Backend):
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
+        if ro.engine == "vllm" and ro.kv_cache_gib is not None:
+            engine_kwargs.setdefault("kv_cache_gib", ro.kv_cache_gib)
         if ro.engine == "vllm" and sampling["topk_logprobs"] > VLLM_DEFAULT_MAX_LOGPROBS:
             engine_kwargs.setdefault("max_logprobs", sampling["topk_logprobs"])
         actor = ray.remote(RolloutWorker)
@@ -80,17 +108,27 @@ class RayBackend(Backend):
         if self.learner is not None:
             self.learner.ready()
         beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
+        self._sync = None
+        if self.learner is not None and cfg.learner.weight_sync == "broadcast":
+            self._sync = BroadcastSync(self.learner, self.actors, cfg.learner.weight_sync_timeout_s)
+            self._learner_call(self._sync.form, list(range(self.workers)))  # every worker joins at start
         self.placement = {
             "learner": ray.get([w.node_id.remote() for w in self.learner.workers]) if self.learner else [],
             "rollout": [b["node_id"] for b in beats],
         }
         self._serving = [0] * self.workers
+        self._version = 0
+        """The newest version published."""
         self._acks: dict = {}
         self._collects = {a.poll.remote(COLLECT_POLL_SECONDS): i for i, a in enumerate(self.actors)}
         self._train: list | None = None
         self._down: set[int] = set()
         self._gone: set[int] = set()
         self._probes: dict = {}
+        self._rejoining: set[int] = set()
+        """broadcast: restarted workers waiting for the next publication (they join its group)."""
+        self._revived: list[int] = []
+        """Workers back in service since the last wait (reported by it)."""
         self._next_probe: dict[int, float] = {}
         self._publication = None
 
@@ -116,11 +154,12 @@ class RayBackend(Backend):
 
     def wait(self) -> Events:
         self._probe_down_workers()
+        revived, self._revived = self._revived, []
         pending = list(self._collects) + (self._train or []) + list(self._acks) + list(self._probes)  # an ack can open admission
         ray.wait(pending, num_returns=1, timeout=PROBE_SECONDS if not self._down else 1.0)
         ready = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0])
         self._collect_acks(ready)
-        events = Events()
+        events = Events(revived=revived)
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
             try:
@@ -147,7 +186,7 @@ class RayBackend(Backend):
         restarted (or fails it if the actor is gone for good)."""
         probing = set(self._probes.values())
         now = time.monotonic()
-        for worker in self._down - probing - self._gone:
+        for worker in self._down - probing - self._gone - self._rejoining:
             if now >= self._next_probe.get(worker, 0.0):
                 self._next_probe[worker] = now + 1.0  # a failed probe comes back at once: do not spin
                 self._probes[self.actors[worker].heartbeat.remote()] = worker
@@ -157,6 +196,11 @@ class RayBackend(Backend):
         try:
             ray.get(probe)
             ray.get(self.actors[worker].reset.remote())  # a worker that only looked dead still holds re-queued work
+            if self._sync is not None and self._version > 0:
+                # it joins the group when the next publication forms it again, and takes work once
+                # that publication reached it (the learner may already be past the current version)
+                self._rejoining.add(worker)
+                return
             if self._publication is not None:
                 self._serving[worker] = ray.get(self.actors[worker].update_weights.remote(self._publication.refs))
             else:
@@ -168,25 +212,60 @@ class RayBackend(Backend):
             return
         except RayActorError:
             return  # still restarting; probed again on the next wait
+        self._back(worker)
+        events.revived.append(worker)
+
+    def _back(self, worker: int) -> None:
         self._down.discard(worker)
         self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
-        events.revived.append(worker)
 
     def available(self, worker: int) -> bool:
         return worker not in self._down
 
-    def publish(self, version: int, wait: bool) -> float:
+    def publish(self, version: int, wait: bool) -> PublishReport:
         started = time.monotonic()
-        publication = self._learner_call(self.learner.publish, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
-        self._publication = publication
-        if publication.version != version:
-            raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
+        self._version = version
+        if self._sync is not None:
+            return self._learner_call(self._broadcast, version, started)
+        publication = self._object_store_publication(version)
         for i, a in enumerate(self.actors):
             if i not in self._down:
                 self._acks[a.update_weights.remote(publication.refs)] = i
         if wait and self._acks:
             self._collect_acks(set(ray.wait(list(self._acks), num_returns=len(self._acks))[0]))
-        return time.monotonic() - started
+        return PublishReport(time.monotonic() - started, publication.nbytes)
+
+    def _object_store_publication(self, version: int):
+        publication = self._learner_call(self.learner.publish, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
+        if publication.version != version:
+            raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
+        self._publication = publication
+        return publication
+
+    def _broadcast(self, version: int, started: float) -> PublishReport:
+        """Broadcast to every live worker, forming the group again without the ones that die, until
+        every member received it (always waited for: the learner's rank 0 sends until all have it)."""
+        for retries in range(BROADCAST_ATTEMPTS):
+            live = [w for w in range(self.workers) if w not in self._down or w in self._rejoining]
+            if not live:
+                break
+            outcome = self._sync.attempt(live, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
+            self._down |= outcome.dead  # their polls report them lost; a restart brings them back
+            self._rejoining -= outcome.dead
+            for w, got in outcome.received.items():
+                if "version" in got:
+                    self._serving[w] = max(self._serving[w], got["version"])
+            if outcome.error is None:
+                for w in sorted(self._rejoining):  # back in the group, serving this version: work again
+                    self._back(w)
+                    self._revived.append(w)
+                self._rejoining.clear()
+                seconds = tuple(got["seconds"] for got in outcome.received.values())
+                return PublishReport(time.monotonic() - started, outcome.nbytes, "broadcast", seconds, retries)
+        raise RuntimeError(
+            f"weight broadcast of version {version} failed {BROADCAST_ATTEMPTS} times (last: {outcome.error}); "
+            f"learner.weight_sync=object_store avoids the group"
+        )
 
     def _collect_acks(self, ready: set) -> None:
         """Record the version of every worker whose ``update_weights`` returned (among ``ready``)."""

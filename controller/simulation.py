@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from controller.backend import Backend, Events, TrainResult
+from controller.backend import Backend, Events, PublishReport, TrainResult
 from controller.config import SimulationConfig
 from learner.batch import TrainBatch
 from rollout.engine import Completion
@@ -158,7 +158,7 @@ class SimulatedBackend(Backend):
         started, self._started = self._started, []
         return Events(groups, trained, started, lost, revived)
 
-    def publish(self, version: int, wait: bool) -> float:
+    def publish(self, version: int, wait: bool) -> PublishReport:
         self._published = version
         delay = self.cfg.publish_seconds
         if wait:
@@ -167,7 +167,7 @@ class SimulatedBackend(Backend):
         else:
             for w in range(self.workers):
                 self._at(delay, ("weights", (w, version)))
-        return delay
+        return PublishReport(delay)
 
     def worker_version(self, worker: int) -> int:
         return self._serving[worker]

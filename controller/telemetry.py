@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.backend import TrainResult
+from controller.backend import PublishReport, TrainResult
 from controller.config import MetricsConfig
 from controller.loggers import MetricLogger, numeric
 from controller.prometheus import PrometheusExporter
@@ -37,7 +37,7 @@ class StepReport:
     """Per trained group: its version lag (the batch builder's)."""
     batch_metrics: dict[str, float]
     """What the batch builder measured (staleness/token_lag_hist)."""
-    publish_seconds: float
+    published: PublishReport
     staleness: StalenessStats
     max_staleness: int
     queue_depth: int
@@ -82,7 +82,11 @@ class Telemetry:
             "learner/tokens": result.tokens, "learner/seconds": result.seconds,
             "learner/tokens_per_second": result.tokens / max(result.seconds, 1e-9),
             "rollout/tokens_per_second": self._group_tokens / elapsed, "rollout/groups": self._groups,
-            "rollout/publish_seconds": r.publish_seconds,
+            "rollout/publish_seconds": r.published.seconds, "rollout/publish_bytes": r.published.nbytes,
+            **({"rollout/receive_seconds_max": max(r.published.receive_seconds), "rollout/receive_seconds_mean":
+                sum(r.published.receive_seconds) / len(r.published.receive_seconds),
+                "rollout/receive_workers": len(r.published.receive_seconds)} if r.published.receive_seconds else {}),
+            **({"rollout/publish_retries": r.published.retries} if r.published.transport == "broadcast" else {}),
             "staleness/lag_mean": sum(lags) / max(1, len(lags)), "staleness/lag_max": max(lags, default=0),
             "staleness/accepted": stats.accepted, "staleness/running": stats.running, "staleness/rejected": stats.rejected,
             "staleness/capacity": stats.capacity, "staleness/admitted": stats.admitted,

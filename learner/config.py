@@ -83,6 +83,15 @@ class LearnerConfig(_Config):
     micro_batch_tokens: int = Field(
         4096, ge=1, description="packing=sequences|shared_prompt: token slots (padding included) per forward/backward."
     )
+    weight_sync: Literal["object_store", "broadcast"] = Field(
+        "object_store", description="How publications reach the rollout engines: object_store (rank 0 puts buckets in Ray's "
+        "object store, every worker fetches them) or broadcast (a process group of rank 0 and every engine: NCCL on GPU, gloo "
+        "on CPU; buckets arrive straight in the engine).",
+    )
+    weight_sync_timeout_s: float = Field(
+        60.0, gt=0.0, description="broadcast: a collective that takes longer fails (a dead engine cannot hang the learner); "
+        "the group is then formed again without it and the publication re-sent.",
+    )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature the rollout used; log-probs are taken at it.")
     compute_entropy: bool = Field(True, description="Report the learner's per-token entropy.")
     topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")

@@ -13,6 +13,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from learner.placement import wait_placed
 from learner.publish import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig
 from learner.batch import TrainBatch
@@ -27,15 +28,16 @@ SHUTDOWN_SECONDS = 10.0
 class LearnerGroup:
     def __init__(
         self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None,
-        wait: bool = True,
+        wait: bool = True, resources: dict[str, float] | None = None,
     ):
         """``wait=False``: return once the placement group is reserved and the ranks are loading
-        their model; ``ready()`` waits for them (so other actors can load meanwhile)."""
+        their model; ``ready()`` waits for them (so other actors can load meanwhile). ``resources``:
+        custom Ray resources each rank's bundle also requests (role placement)."""
         self.cfg = cfg
         n = cfg.parallel.world_size
-        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {}), **(resources or {})}
         self.pg = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.pg.ready())
+        wait_placed(self.pg, "the learner group", [bundle] * n)
         actor = ray.remote(LearnerWorker)
         self.workers = [
             actor.options(
@@ -83,13 +85,16 @@ class LearnerGroup:
         results = ray.get([w.publish.remote(max_bytes, dtype) for w in self.workers])
         return results[0]
 
-    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
-        """Start the learner's side of a weight broadcast group of ``world_size`` (1 + engine ranks);
-        the engines join with ranks 1.. at the same time."""
-        ray.get([w.join_broadcast.remote(host, port, world_size) for w in self.workers])
+    def join_broadcast(self, host: str, port: int, world_size: int, timeout_s: float) -> list:
+        """Start the learner's side of a weight broadcast group of ``world_size`` (1 + engine ranks),
+        hosted on ``host:port`` (rank 0's node); the engines must join with ranks 1.. meanwhile.
+        Returns the ranks' refs (wait for them together with the engines')."""
+        return [w.join_broadcast.remote(host, port, world_size, timeout_s) for w in self.workers]
 
-    def broadcast(self, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Publication:
-        return ray.get([w.broadcast.remote(max_bytes) for w in self.workers])[0]
+    def broadcast(self, max_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = None) -> list:
+        """Start sending the current weights over the group; returns the ranks' refs (rank 0's
+        resolves to the Publication, with ``error`` set if the broadcast failed)."""
+        return [w.broadcast.remote(max_bytes, dtype) for w in self.workers]
 
     def check_storage(self, run_dir: str | list[str], nonce: str) -> list[dict]:
         """Every rank's view of the driver's storage marker in ``run_dir`` (one path, or one per rank)."""

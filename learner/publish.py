@@ -37,12 +37,15 @@ class WeightBucket:
 
 @dataclass(frozen=True)
 class Publication:
-    """A published policy version: bucket references (Ray ObjectRefs on CPU) and its cost."""
+    """A published policy version: bucket references (object store) or a broadcast's outcome, and its cost."""
 
     version: int
     refs: list
+    """Object-store refs of the buckets (empty for a broadcast: the buckets went to the group)."""
     nbytes: int
     seconds: float
+    error: str | None = None
+    """Why a broadcast failed (the group is then gone; the publication did not reach every engine)."""
 
     @property
     def gb_per_s(self) -> float:

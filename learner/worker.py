@@ -24,6 +24,7 @@ class LearnerWorker:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
         self.learner: Learner | None = None
+        self._broadcast: WeightBroadcastGroup | None = None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 will listen for the process group (called on rank 0 only)."""
@@ -73,17 +74,26 @@ class LearnerWorker:
         """Put the weights in the object store (rank 0), as ``dtype``; the Publication carries the refs."""
         return self._send_buckets(max_bytes, ray.put, dtype)
 
-    def join_broadcast(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the weight broadcast group with the engines (rank 0 of that group hosts it)."""
+    def join_broadcast(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> None:
+        """Rank 0 joins a weight broadcast group with the engines as its rank 0 (hosting its store);
+        the other ranks only leave any group they had. A group formed again replaces the old one."""
+        self._broadcast = None
         if self.rank == 0:
-            self._broadcast = WeightBroadcastGroup(host, port, 0, world_size)
+            self._broadcast = WeightBroadcastGroup(host, port, 0, world_size, timeout_s=timeout_s)
 
-    def broadcast(self, max_bytes: int) -> publish.Publication | None:
-        """Send the current weights to the engines over the broadcast group (GPU: NCCL)."""
+    def broadcast(self, max_bytes: int, dtype: str | None = None) -> publish.Publication | None:
+        """Send the current weights to the engines over the broadcast group (GPU: NCCL), as ``dtype``.
+        A collective that fails or times out (an engine died) leaves the group: the Publication
+        carries the error, and the caller forms a new group before the next broadcast."""
         def send(bucket: publish.WeightBucket) -> None:
             self._broadcast.send(bucket)
 
-        return self._send_buckets(max_bytes, send)
+        started = time.perf_counter()
+        try:
+            return self._send_buckets(max_bytes, send, dtype)
+        except (RuntimeError, AttributeError) as err:  # torch.distributed errors are RuntimeErrors; no group: AttributeError
+            self._broadcast = None
+            return publish.Publication(self.learner.version, [], 0, time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's current weights under HF names (tests and consumers check against it)."""

@@ -82,6 +82,35 @@ class Engine(ABC):
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
         """Load a publication (HF names); the new weights serve from the next decoding step on."""
 
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join the learner's weight broadcast group (learner/broadcast.py) as ``rank``, replacing any
+        group joined before. This default joins in the engine's own process (the hf engine);
+        engines whose weights live in other processes join from there (vLLM's workers)."""
+        from learner.broadcast import WeightBroadcastGroup
+
+        self._weight_group = None
+        self._weight_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+
+    def receive_weights(self) -> int:
+        """Receive the next publication from the group straight into the engine (as
+        ``update_weights`` would load it); returns its version. A failed or timed-out collective
+        leaves the group (join again) and raises."""
+        group = getattr(self, "_weight_group", None)
+        if group is None:
+            raise RuntimeError("this engine is in no weight broadcast group")
+        try:
+            buckets = group.receive_publication()
+        except RuntimeError:
+            self._weight_group = None
+            raise
+        self.update_weights(buckets)
+        return buckets[-1].version
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Per HF tensor name, ``tensor_checksum`` of the weights served (tests compare them with the
+        learner's). Engines that repack weights on load report what they loaded."""
+        raise NotImplementedError(f"{type(self).__name__} reports no weight checksums")
+
     def pause(self) -> None:  # backends without a scheduler need nothing
         """Stop scheduling new decoding steps until ``resume`` (requests stay in flight)."""
 
@@ -94,3 +123,11 @@ def fake_quantize_fp8(t: torch.Tensor) -> torch.Tensor:
     engine, to create real training-inference mismatch. Scale maps the max |w| to e4m3's max 448."""
     scale = t.abs().max().clamp_min(1e-12) / 448.0
     return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SHA-1 of a tensor's bytes, dtype and shape included: equal only for bit-identical tensors."""
+    import hashlib
+
+    flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode() + flat.numpy().tobytes()).hexdigest()

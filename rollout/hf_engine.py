@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8
+from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
 
 
 def sample_categorical(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -89,10 +89,21 @@ class HFEngine(Engine):
             raise KeyError(f"weight update names tensors the model does not have: {unknown[:5]}")
         with torch.no_grad():
             for name, t in tensors.items():
-                t = fake_quantize_fp8(t.float()) if self.precision == "fp8" and t.dim() >= 2 else t
-                own[name].copy_(t.to(own[name].dtype))
+                own[name].copy_(self._as_loaded(t, own[name]))
             if self.model.config.tie_word_embeddings:
                 self.model.tie_weights()
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Of the weights the next decoding step uses: the model's, with a staged publication's on top."""
+        with self._lock:
+            pending = self._pending[1] if self._pending is not None else {}
+        own = self.model.state_dict()
+        return {name: tensor_checksum(self._as_loaded(pending[name], own[name]) if name in pending else t) for name, t in own.items()}
+
+    def _as_loaded(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``_load`` writes it into a parameter like ``like``."""
+        t = fake_quantize_fp8(t.float()) if self.precision == "fp8" and t.dim() >= 2 else t
+        return t.to(like.dtype)
 
     def pause(self) -> None:
         self._running.clear()

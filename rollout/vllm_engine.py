@@ -46,9 +46,11 @@ from typing import Iterable
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8
+from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
 
 class DrpoWorkerExtension:
@@ -58,20 +60,52 @@ class DrpoWorkerExtension:
         from safetensors.torch import load_file
 
         weights = load_file(path)
+        self._drpo_load(weights)
+        return len(weights)
+
+    def _drpo_load(self, weights: dict) -> None:
         # reload_weights, not model.load_weights: on CPU vLLM repacks linear weights after loading
         # (the original parameters are emptied), and the in-place reload redoes that processing.
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        return len(weights)
+        sums = getattr(self, "_drpo_sums", {})
+        sums.update({name: tensor_checksum(t) for name, t in weights.items()})
+        self._drpo_sums = sums
+
+    def drpo_checksums(self) -> dict:
+        """Checksums (HF names) of every tensor loaded by a publication so far, as received."""
+        return dict(getattr(self, "_drpo_sums", {}))
+
+
+    def drpo_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """This vLLM worker joins the learner's weight broadcast group (NCCL on GPU, gloo on CPU)."""
+        from learner.broadcast import WeightBroadcastGroup
+
+        self._drpo_group = None
+        self._drpo_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+
+    def drpo_receive_weights(self) -> int:
+        """Receive one publication from the group and load it in place; returns its version."""
+        from learner.publish import assemble
+
+        try:
+            version, weights = assemble(self._drpo_group.receive_publication())
+        except RuntimeError:
+            self._drpo_group = None
+            raise
+        self._drpo_load(weights)
+        return version
 
 
 class VLLMEngine(Engine):
     def __init__(
         self, model_folder: str, precision: Precision = "fp32", version: int = 0, seed: int = 0, max_model_len: int = 2048,
-        kv_cache_gib: float = 1.0, **llm_kwargs,
+        kv_cache_gib: float | None = None, **llm_kwargs,
     ):
-        """``kv_cache_gib`` sizes the KV cache on CPU explicitly: by default vLLM's CPU backend
-        reserves 92% of the machine's memory and refuses to start when less is free, so several
-        workers on one machine could not share it. ``llm_kwargs``: more vLLM engine arguments."""
+        """``kv_cache_gib`` sizes the KV cache explicitly (vLLM's ``kv_cache_memory_bytes``). On CPU
+        it defaults to CPU_KV_CACHE_GIB: by default vLLM's CPU backend reserves 92% of the machine's
+        memory and refuses to start when less is free, so several workers on one machine could not
+        share it. On GPU None leaves it to ``gpu_memory_utilization``. ``llm_kwargs``: more vLLM
+        engine arguments."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         on_gpu = torch.cuda.is_available()
         kwargs = dict(
@@ -81,8 +115,8 @@ class VLLMEngine(Engine):
         )
         if precision == "fp8" and on_gpu:
             kwargs["quantization"] = "fp8"
-        if not on_gpu:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if kv_cache_gib is not None or not on_gpu:
+            kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
         self.version = version
         self._staged: dict[str, torch.Tensor] = {}
         self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")
@@ -196,7 +230,7 @@ class VLLMEngine(Engine):
         changes before generation resumes."""
         from safetensors.torch import save_file
 
-        path = os.path.join(self._tmp, "update.safetensors")
+        path = os.path.join(self._tmp, f"update-{next(self._ids)}.safetensors")  # one file per load: loads may overlap
         save_file({k: v.contiguous() for k, v in tensors.items()}, path)
         try:
             self._run(self._swap(path, version))
@@ -214,6 +248,32 @@ class VLLMEngine(Engine):
                 self._cache_stale = True
             finally:
                 await self.llm.resume_generation()
+
+    def weight_checksums(self) -> dict[str, str]:
+        """What vLLM's worker loaded by publication (HF names, as received: vLLM repacks them on load)."""
+        return self._run(self.llm.collective_rpc("drpo_checksums"))[0]
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """vLLM's worker process joins the group itself (``DrpoWorkerExtension``): buckets go from the
+        learner straight into the process that holds the weights (one worker: tensor parallel 1)."""
+        self._run(self.llm.collective_rpc("drpo_join_weight_group", args=(host, port, rank, world_size, timeout_s)))
+
+    def receive_weights(self) -> int:
+        """Pause between two decoding steps, receive and load the publication in vLLM's worker, bump
+        the version, resume (the same in-flight guarantee as ``update_weights``)."""
+        return self._run(self._swap_received())
+
+    async def _swap_received(self) -> int:
+        async with self._update_lock:
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                (version,) = await self.llm.collective_rpc("drpo_receive_weights")
+                await asyncio.sleep(0)  # deltas already queued on this loop are stamped with the old version
+                self.version = version
+                self._cache_stale = True
+            finally:
+                await self.llm.resume_generation()
+        return version
 
     def close(self) -> None:
         """Stop vLLM's engine-core process and the loop, and remove the staging folder (call it

@@ -12,6 +12,7 @@ malformed engine output fails its own group (``error``), never the worker.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 import time
@@ -56,6 +57,13 @@ def completion_problem(c: Completion, topk: int) -> str | None:
         if tuple(c.topk_ids.shape) != (length, topk) or tuple(c.topk_logp.shape) != (length, topk):
             return f"engine returned top-K of shape {tuple(c.topk_ids.shape)}, expected ({length}, {topk})"
     return None
+
+
+def _restarted() -> bool:
+    """Whether this actor is a restart (Ray reconstructed it after its process died)."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
 TRAINING_AHEAD_OF_EVALUATION = 2
@@ -147,6 +155,7 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._in_flight = 0
+        self._receives = 0
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
@@ -196,6 +205,27 @@ class RolloutWorker:
         buckets = ray.get(list(bucket_refs))
         self.engine.update_weights(buckets)
         return buckets[-1].version
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join the learner's weight broadcast group as ``rank`` (called for every member at once)."""
+        self.engine.join_weight_group(host, port, rank, world_size, timeout_s)
+
+    def receive_weights(self) -> dict:
+        """Receive one broadcast publication into the engine: {"version", "seconds"} or {"error"}
+        (the worker then waits outside the group until it is formed again)."""
+        started = time.perf_counter()
+        self._receives += 1
+        if self.chaos.get("exit_on_receive") == self._receives and self.worker_id == 0 and not _restarted():
+            os._exit(1)  # chaos: the process dies during a publication
+        try:
+            version = self.engine.receive_weights()
+        except Exception as err:
+            return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - started}
+        return {"version": version, "seconds": time.perf_counter() - started}
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Per HF tensor name, a checksum of the weights the engine serves (Engine.weight_checksums)."""
+        return self.engine.weight_checksums()
 
     def heartbeat(self) -> dict:
         import ray

@@ -77,6 +77,14 @@ def test_every_rayjob_pod_mounts_the_shared_claim_that_holds_the_cluster_presets
         assert int(yaml.safe_load((DEPLOY / name).read_text())["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) > 120
 
 
+def test_rayjob_worker_groups_declare_the_role_resources_the_cluster_preset_requests():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    cfg = load_config(REPO / "controller/presets/cluster-gpu.yaml")
+    declared = {g["groupName"]: json.loads(yaml.safe_load(g["rayStartParams"]["resources"])) for g in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert cfg.learner_resources.node_resource in declared["learner"] and cfg.learner_resources.node_resource not in declared["rollout"]
+    assert cfg.rollout.node_resource in declared["rollout"] and cfg.rollout.node_resource not in declared["learner"]
+
+
 def test_dashboards_are_grafana_json_and_match_their_generator():
     built = dashboards.build()
     files = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))

@@ -11,6 +11,7 @@ import pytest
 
 from controller.app import train
 from controller.backend import LearnerLost
+from tests.clusters import local_cluster
 from tests.fault_checks import assert_ledger_exact
 from tests.test_controller_e2e import run_config
 from tests.test_faults import TRAIN_IDS, records, when
@@ -19,23 +20,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture
-def cluster(monkeypatch):
+def cluster():
     """A CPU-less head; node "learner" (1 CPU, resource learner_node) and two 1-CPU rollout nodes."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {
-        "learner": c.add_node(num_cpus=1, resources={"learner_node": 1}),
-        "rollout0": c.add_node(num_cpus=1),
-        "rollout1": c.add_node(num_cpus=1),
-    }
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False)
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    nodes = {"learner": {"num_cpus": 1, "resources": {"learner_node": 1}}, "rollout0": {"num_cpus": 1}, "rollout1": {"num_cpus": 1}}
+    with local_cluster(nodes) as (c, added):
+        yield c, added
 
 
 def cluster_config(tmp_path, model, steps):

@@ -137,11 +137,16 @@ def kill_workers(state: dict, kills: list[dict], done: threading.Event, rng: ran
             kills.append({"t": time.time(), "worker": worker, "error": type(err).__name__})
 
 
+MIN_SPAN_STEPS = 100
+"""A process's RSS series gets a slope only if its second half spans this many steps (a restarted
+worker's first minutes are warm-up, not growth)."""
+
+
 def slope_per_100_steps(points: list[tuple[int, float]]) -> float | None:
     """Least-squares MiB per 100 steps over a series' second half (after warm-up), None if too short."""
     points = points[len(points) // 2 :]
     steps = [s for s, _ in points]
-    if len(points) < 5 or max(steps) - min(steps) < 20:
+    if len(points) < 5 or max(steps) - min(steps) < MIN_SPAN_STEPS:
         return None
     ms, mr = statistics.fmean(steps), statistics.fmean(r for _, r in points)
     var = sum((s - ms) ** 2 for s in steps)
@@ -160,11 +165,15 @@ def rss_report(samples: list[dict]) -> dict:
         slope = slope_per_100_steps(points)
         if slope is not None:
             r["slopes"].append(slope)
+            r.setdefault("longest", []).append((points[-1][0] - points[0][0], points[0][1], points[len(points) // 2][1], points[-1][1]))
     for r in by_role.values():
         slopes = r.pop("slopes")
         r["slope_mib_per_100_steps_max"] = max(slopes) if slopes else None
         r["slope_mib_per_100_steps_median"] = statistics.median(slopes) if slopes else None
         r["series_with_a_slope"] = len(slopes)
+        if r.get("longest"):
+            span, first, middle, last = max(r.pop("longest"))
+            r["longest_series"] = {"steps": span, "rss_mib_first": first, "rss_mib_middle": middle, "rss_mib_last": last}
     return by_role
 
 
@@ -292,6 +301,7 @@ def main() -> None:
         },
     }
     (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "rss.jsonl").write_text("".join(json.dumps(x) + "\n" for x in samples))
     print(json.dumps(report, indent=2))
     if counts["lost"] or counts["double_counted"] or counts["phantom"]:
         raise SystemExit(f"soak: the ledger is not exact: {counts}")

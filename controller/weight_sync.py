@@ -1,0 +1,101 @@
+"""Weight publication over a broadcast group (``learner.weight_sync: broadcast``).
+
+    learner rank 0 ──bucket, bucket, …──▶ group ranks 1..N: one per live rollout worker's engine
+                     (NCCL on GPU, gloo on CPU; learner/broadcast.py)
+
+The group is formed with every live worker at the start, and formed again whenever its members
+change: a worker that died is left out, a worker back from a restart (which first loads the current
+weights through the object store) joins at the next publication. Every collective is bounded by
+``learner.weight_sync_timeout_s``: an engine that dies mid-broadcast makes the broadcast fail on the
+learner and the other engines instead of hanging them; the group is then formed again without it and
+the same publication re-sent, up to BROADCAST_ATTEMPTS times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import RayActorError
+
+from learner.group import LearnerGroup
+
+BROADCAST_ATTEMPTS = 3
+"""Tries of one publication (each after forming the group again without the workers that died)."""
+JOIN_SLACK_SECONDS = 30.0
+"""Beyond the collective timeout, how long joining a group may take (engines start their side)."""
+
+
+@dataclass
+class Outcome:
+    nbytes: int = 0
+    received: dict[int, dict] = field(default_factory=dict)
+    """Worker -> its receive_weights result ({"version", "seconds"} or {"error"})."""
+    dead: set[int] = field(default_factory=set)
+    """Workers whose actor died during the attempt."""
+    error: str | None = None
+    """Why the attempt failed (None: every member received the publication)."""
+
+
+class BroadcastSync:
+    """Forms the group and runs one broadcast attempt at a time; the backend decides what to retry."""
+
+    def __init__(self, learner: LearnerGroup, actors: list, timeout_s: float):
+        self.learner, self.actors, self.timeout_s = learner, actors, timeout_s
+        self.members: tuple[int, ...] = ()
+
+    def form(self, live: list[int]) -> set[int]:
+        """A new group of the learner's rank 0 and ``live`` workers (ranks 1.. in that order);
+        returns the workers that died while joining (the group is then not formed)."""
+        host, port = ray.get(self.learner.workers[0].address.remote())
+        world = 1 + len(live)
+        refs = self.learner.join_broadcast(host, port, world, self.timeout_s)
+        joins = {self.actors[w].join_weight_group.remote(host, port, 1 + i, world, self.timeout_s): w for i, w in enumerate(live)}
+        dead = self._settle(refs, joins)[1]
+        self.members = tuple(live) if not dead else ()
+        return dead
+
+    def attempt(self, live: list[int], max_bytes: int, dtype: str | None) -> Outcome:
+        """One broadcast of the current weights to ``live`` (the group is formed first if its members
+        differ); every receive is waited for."""
+        if tuple(live) != self.members:
+            dead = self.form(live)
+            if dead:
+                return Outcome(dead=dead, error=f"workers {sorted(dead)} died while joining the group")
+        sends = self.learner.broadcast(max_bytes, dtype)
+        receives = {self.actors[w].receive_weights.remote(): w for w in self.members}
+        results, dead = self._settle(sends, receives)
+        publication = results.pop(None)
+        out = Outcome(publication.nbytes if publication else 0, results, dead)
+        failed = sorted(w for w, r in results.items() if "error" in r)
+        if publication is None or publication.error or failed or dead:
+            out.error = (publication.error if publication and publication.error else None) or (
+                f"workers {sorted(dead)} died" if dead else f"workers {failed} failed to receive: {results[failed[0]]['error']}" if failed else "no publication"
+            )
+            self.members = ()  # the group is broken: formed again before the next attempt
+        return out
+
+    def _settle(self, learner_refs: list, worker_refs: dict) -> tuple[dict, set[int]]:
+        """Wait for every ref (bounded); returns ({worker: result, None: rank 0's result or None if
+        it failed}, the workers that died). A failed learner call is a failed attempt; a dead
+        learner rank raises (the backend turns it into LearnerLost)."""
+        deadline = time.monotonic() + self.timeout_s + JOIN_SLACK_SECONDS
+        results: dict = {None: None}
+        dead: set[int] = set()
+        for ref in list(worker_refs) + list(learner_refs):
+            worker = worker_refs.get(ref)
+            try:
+                value = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except RayActorError:
+                if worker is None:
+                    raise
+                dead.add(worker)
+                continue
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as err:
+                value = {"error": f"{type(err).__name__}: {str(err)[:200]}"} if worker is not None else None
+            if worker is not None:
+                results[worker] = value or {}
+            elif ref == learner_refs[0] and not isinstance(value, dict):
+                results[None] = value
+        return results, dead

