@@ -238,6 +238,11 @@ class RunConfig(_Config):
                 f"sequences) must split evenly into train.mini_batches x learner.parallel.data ({self.train.mini_batches} x "
                 f"{self.learner.parallel.data})"
             )
+        if self.learner.weight_sync == "broadcast" and int(self.rollout.engine_kwargs.get("tensor_parallel_size", 1)) > 1:
+            raise ValueError(
+                "learner.weight_sync=broadcast joins one process per engine to the group; engines with "
+                "rollout.engine_kwargs.tensor_parallel_size > 1 need object_store for now"
+            )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")
         return self

@@ -79,7 +79,12 @@ class RayBackend(Backend):
         self.workers = ro.workers
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **_role(ro.node_resource)}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
-        wait_placed(self.pg, "the rollout workers", [bundle] * ro.workers)
+        try:
+            wait_placed(self.pg, "the rollout workers", [bundle] * ro.workers)
+        except PlacementError:
+            if self.learner is not None:
+                self.learner.shutdown()  # do not keep the learner's placement group on a shared cluster
+            raise
         sampling = {
             "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
@@ -129,6 +134,8 @@ class RayBackend(Backend):
         """broadcast: restarted workers waiting for the next publication (they join its group)."""
         self._revived: list[int] = []
         """Workers back in service since the last wait (reported by it)."""
+        self._lost: list[int] = []
+        """Workers declared lost since the last wait (reported by it)."""
         self._next_probe: dict[int, float] = {}
         self._publication = None
 
@@ -155,11 +162,12 @@ class RayBackend(Backend):
     def wait(self) -> Events:
         self._probe_down_workers()
         revived, self._revived = self._revived, []
+        lost, self._lost = self._lost, []
         pending = list(self._collects) + (self._train or []) + list(self._acks) + list(self._probes)  # an ack can open admission
         ray.wait(pending, num_returns=1, timeout=PROBE_SECONDS if not self._down else 1.0)
         ready = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0])
         self._collect_acks(ready)
-        events = Events(revived=revived)
+        events = Events(lost=lost, revived=revived)
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
             try:
@@ -167,6 +175,8 @@ class RayBackend(Backend):
             except RayActorError:
                 self._down.add(worker)
                 events.lost.append(worker)
+                if self._sync is not None:
+                    self._sync.members = ()  # its group rank is gone: the next publication forms a new group
                 continue
             events.groups.extend(finished)
             events.started.extend(began)
@@ -200,6 +210,8 @@ class RayBackend(Backend):
                 # it joins the group when the next publication forms it again, and takes work once
                 # that publication reached it (the learner may already be past the current version)
                 self._rejoining.add(worker)
+                if self._train is None:  # the learner is idle at the published version: send it again now
+                    self._learner_call(self._broadcast, self._version, time.monotonic())
                 return
             if self._publication is not None:
                 self._serving[worker] = ray.get(self.actors[worker].update_weights.remote(self._publication.refs))
@@ -214,6 +226,14 @@ class RayBackend(Backend):
             return  # still restarting; probed again on the next wait
         self._back(worker)
         events.revived.append(worker)
+
+    def _lose(self, worker: int) -> None:
+        """Declare a worker lost outside ``wait`` (a broadcast found it dead or unavailable): its poll
+        is dropped, so it is reported lost once, by the next ``wait``."""
+        self._down.add(worker)
+        for ref in [r for r, w in self._collects.items() if w == worker]:
+            del self._collects[ref]
+        self._lost.append(worker)
 
     def _back(self, worker: int) -> None:
         self._down.discard(worker)
@@ -245,12 +265,14 @@ class RayBackend(Backend):
     def _broadcast(self, version: int, started: float) -> PublishReport:
         """Broadcast to every live worker, forming the group again without the ones that die, until
         every member received it (always waited for: the learner's rank 0 sends until all have it)."""
+        outcome = None
         for retries in range(BROADCAST_ATTEMPTS):
             live = [w for w in range(self.workers) if w not in self._down or w in self._rejoining]
-            if not live:
-                break
+            if not live:  # every worker is down: the restarted ones join the next publication
+                return PublishReport(time.monotonic() - started, 0, "broadcast", (), retries)
             outcome = self._sync.attempt(live, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
-            self._down |= outcome.dead  # their polls report them lost; a restart brings them back
+            for w in sorted(outcome.dead - self._down):  # lost now (their work is re-queued); a restart brings them back
+                self._lose(w)
             self._rejoining -= outcome.dead
             for w, got in outcome.received.items():
                 if "version" in got:

@@ -4,8 +4,8 @@
                      (NCCL on GPU, gloo on CPU; learner/broadcast.py)
 
 The group is formed with every live worker at the start, and formed again whenever its members
-change: a worker that died is left out, a worker back from a restart (which first loads the current
-weights through the object store) joins at the next publication. Every collective is bounded by
+change: a worker that died is left out; a worker back from a restart joins at the next publication
+(sent at once if the learner is idle) and takes work once that publication reached it. Every collective is bounded by
 ``learner.weight_sync_timeout_s``: an engine that dies mid-broadcast makes the broadcast fail on the
 learner and the other engines instead of hanging them; the group is then formed again without it and
 the same publication re-sent, up to BROADCAST_ATTEMPTS times.
@@ -24,7 +24,7 @@ from learner.group import LearnerGroup
 BROADCAST_ATTEMPTS = 3
 """Tries of one publication (each after forming the group again without the workers that died)."""
 JOIN_SLACK_SECONDS = 30.0
-"""Beyond the collective timeout, how long joining a group may take (engines start their side)."""
+"""Beyond the collective timeout, how long a worker may take after the learner's rank 0 is done."""
 
 
 @dataclass
@@ -45,24 +45,26 @@ class BroadcastSync:
         self.learner, self.actors, self.timeout_s = learner, actors, timeout_s
         self.members: tuple[int, ...] = ()
 
-    def form(self, live: list[int]) -> set[int]:
+    def form(self, live: list[int]) -> tuple[set[int], list[int]]:
         """A new group of the learner's rank 0 and ``live`` workers (ranks 1.. in that order);
-        returns the workers that died while joining (the group is then not formed)."""
+        returns the workers that died while joining and those whose join failed (either way the
+        group is not formed, and the next attempt forms it again)."""
         host, port = ray.get(self.learner.workers[0].address.remote())
         world = 1 + len(live)
         refs = self.learner.join_broadcast(host, port, world, self.timeout_s)
         joins = {self.actors[w].join_weight_group.remote(host, port, 1 + i, world, self.timeout_s): w for i, w in enumerate(live)}
-        dead = self._settle(refs, joins)[1]
-        self.members = tuple(live) if not dead else ()
-        return dead
+        results, dead = self._settle(refs, joins)
+        failed = sorted(w for w in live if "error" in results.get(w, {}))
+        self.members = () if dead or failed else tuple(live)
+        return dead, failed
 
     def attempt(self, live: list[int], max_bytes: int, dtype: str | None) -> Outcome:
         """One broadcast of the current weights to ``live`` (the group is formed first if its members
         differ); every receive is waited for."""
         if tuple(live) != self.members:
-            dead = self.form(live)
-            if dead:
-                return Outcome(dead=dead, error=f"workers {sorted(dead)} died while joining the group")
+            dead, failed = self.form(live)
+            if dead or failed:
+                return Outcome(dead=dead, error=f"forming the group failed (died: {sorted(dead)}, join failed: {failed})")
         sends = self.learner.broadcast(max_bytes, dtype)
         receives = {self.actors[w].receive_weights.remote(): w for w in self.members}
         results, dead = self._settle(sends, receives)
@@ -77,25 +79,28 @@ class BroadcastSync:
         return out
 
     def _settle(self, learner_refs: list, worker_refs: dict) -> tuple[dict, set[int]]:
-        """Wait for every ref (bounded); returns ({worker: result, None: rank 0's result or None if
-        it failed}, the workers that died). A failed learner call is a failed attempt; a dead
-        learner rank raises (the backend turns it into LearnerLost)."""
-        deadline = time.monotonic() + self.timeout_s + JOIN_SLACK_SECONDS
+        """Wait for the learner's refs (each of its collectives is bounded by the group's timeout),
+        then for the workers' (bounded from then on); returns ({worker: result, None: rank 0's
+        result or None if it failed}, the workers whose actor died). A dead learner rank raises (the
+        backend turns it into LearnerLost); an unavailable worker counts as dead (the backend reports it
+        lost, and it comes back through the restart path)."""
         results: dict = {None: None}
+        for i, ref in enumerate(learner_refs):
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayTaskError:
+                value = None
+            if i == 0 and not isinstance(value, dict):
+                results[None] = value
+        deadline = time.monotonic() + self.timeout_s + JOIN_SLACK_SECONDS
         dead: set[int] = set()
-        for ref in list(worker_refs) + list(learner_refs):
-            worker = worker_refs.get(ref)
+        for ref, worker in worker_refs.items():
             try:
                 value = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-            except RayActorError:
-                if worker is None:
-                    raise
+            except RayActorError:  # dead, or unavailable (restarting): out of this group either way
                 dead.add(worker)
                 continue
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as err:
-                value = {"error": f"{type(err).__name__}: {str(err)[:200]}"} if worker is not None else None
-            if worker is not None:
-                results[worker] = value or {}
-            elif ref == learner_refs[0] and not isinstance(value, dict):
-                results[None] = value
+                value = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            results[worker] = value or {}
         return results, dead

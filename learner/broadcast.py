@@ -26,15 +26,26 @@ class WeightBroadcastGroup:
         self.rank, self.world_size = rank, world_size
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout = timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         if self.backend == "nccl":
-            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # NCCL's own default is 10 minutes
+            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        self._pg.broadcast(tensor, 0).wait()
+        """One broadcast from rank 0, bounded by the group's timeout (a peer that died raises)."""
+        self._pg.broadcast(tensor, 0).wait(self.timeout)
+        if self.backend == "nccl":
+            torch.cuda.current_stream().synchronize()  # NCCL's wait only orders streams: finish it on the host too
+
+    def close(self) -> None:
+        """Leave the group (NCCL: abort the communicator, whose resources a failed peer would keep)."""
+        if self.backend == "nccl" and hasattr(self._pg, "abort"):
+            self._pg.abort()
+        self._pg = self._store = None
 
     def send(self, bucket: WeightBucket) -> float:
         """Publisher side (rank 0): broadcast one bucket; returns seconds spent."""

@@ -55,7 +55,7 @@ class LearnerWorker:
         torch dtype name, e.g. "bfloat16"): the engines' weight dtype, cast to before sending."""
         started = time.perf_counter()
         named = self.learner.hf_named_tensors()
-        if dtype is not None:
+        if dtype is not None and self.rank == 0:
             cast = getattr(torch, dtype)
             named = ((name, t.to(cast)) for name, t in named)
         if self.rank != 0:
@@ -77,7 +77,9 @@ class LearnerWorker:
     def join_broadcast(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> None:
         """Rank 0 joins a weight broadcast group with the engines as its rank 0 (hosting its store);
         the other ranks only leave any group they had. A group formed again replaces the old one."""
-        self._broadcast = None
+        old, self._broadcast = self._broadcast, None
+        if old is not None:
+            old.close()
         if self.rank == 0:
             self._broadcast = WeightBroadcastGroup(host, port, 0, world_size, timeout_s=timeout_s)
 

@@ -88,7 +88,9 @@ class Engine(ABC):
         engines whose weights live in other processes join from there (vLLM's workers)."""
         from learner.broadcast import WeightBroadcastGroup
 
-        self._weight_group = None
+        old, self._weight_group = getattr(self, "_weight_group", None), None
+        if old is not None:
+            old.close()
         self._weight_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
 
     def receive_weights(self) -> int:
@@ -101,7 +103,8 @@ class Engine(ABC):
         try:
             buckets = group.receive_publication()
         except RuntimeError:
-            self._weight_group = None
+            if self._weight_group is group:  # a late failure must not drop a group joined since
+                self._weight_group = None
             raise
         self.update_weights(buckets)
         return buckets[-1].version

@@ -67,30 +67,36 @@ class DrpoWorkerExtension:
         # reload_weights, not model.load_weights: on CPU vLLM repacks linear weights after loading
         # (the original parameters are emptied), and the in-place reload redoes that processing.
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        sums = getattr(self, "_drpo_sums", {})
-        sums.update({name: tensor_checksum(t) for name, t in weights.items()})
-        self._drpo_sums = sums
+        if getattr(self, "_drpo_sums", None) is not None:  # only once asked for (drpo_checksums): SHA-1 costs
+            self._drpo_sums.update({name: tensor_checksum(t) for name, t in weights.items()})
 
     def drpo_checksums(self) -> dict:
-        """Checksums (HF names) of every tensor loaded by a publication so far, as received."""
-        return dict(getattr(self, "_drpo_sums", {}))
+        """Checksums (HF names) of every tensor loaded by a publication since the first call (which
+        turns the tracking on and returns nothing yet)."""
+        if getattr(self, "_drpo_sums", None) is None:
+            self._drpo_sums = {}
+        return dict(self._drpo_sums)
 
 
     def drpo_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """This vLLM worker joins the learner's weight broadcast group (NCCL on GPU, gloo on CPU)."""
         from learner.broadcast import WeightBroadcastGroup
 
-        self._drpo_group = None
+        old, self._drpo_group = getattr(self, "_drpo_group", None), None
+        if old is not None:
+            old.close()
         self._drpo_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
 
     def drpo_receive_weights(self) -> int:
         """Receive one publication from the group and load it in place; returns its version."""
         from learner.publish import assemble
 
+        group = self._drpo_group
         try:
-            version, weights = assemble(self._drpo_group.receive_publication())
+            version, weights = assemble(group.receive_publication())
         except RuntimeError:
-            self._drpo_group = None
+            if self._drpo_group is group:  # a late failure must not drop a group joined since
+                self._drpo_group = None
             raise
         self._drpo_load(weights)
         return version
@@ -250,7 +256,8 @@ class VLLMEngine(Engine):
                 await self.llm.resume_generation()
 
     def weight_checksums(self) -> dict[str, str]:
-        """What vLLM's worker loaded by publication (HF names, as received: vLLM repacks them on load)."""
+        """What vLLM's worker loaded by publication since the first call (HF names, as received: vLLM
+        repacks them on load). The first call turns the tracking on (it costs a SHA-1 per load)."""
         return self._run(self.llm.collective_rpc("drpo_checksums"))[0]
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:

@@ -60,6 +60,7 @@ def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_v
 
     backend = RayBackend(broadcast_config(tmp_path, tiny_vllm_model, engine))
     try:
+        ray.get([a.weight_checksums.remote() for a in backend.actors])  # vllm: turns the tracking on
         for version in (1, 2):
             one_learner_step(backend, version)
             report = backend.publish(version, wait=True)
