@@ -139,14 +139,6 @@ def _new_identity(run_dir: Path) -> None:
     (run_dir / RUN_FILE).write_text(json.dumps({"run_id": uuid.uuid4().hex, "created": time.time(), "host": socket.gethostname()}) + "\n")
 
 
-def run_id(run_dir: str | Path) -> str | None:
-    path = Path(run_dir) / RUN_FILE
-    try:
-        return json.loads(path.read_text())["run_id"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 class StorageError(RuntimeError):
     """The run folder is not the same storage on every node that writes to it."""
 

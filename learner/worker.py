@@ -91,9 +91,11 @@ class LearnerWorker:
             self._broadcast.send(bucket)
 
         started = time.perf_counter()
+        if self.rank == 0 and self._broadcast is None:
+            return publish.Publication(self.learner.version, [], 0, 0.0, error="rank 0 is in no broadcast group (it failed before)")
         try:
             return self._send_buckets(max_bytes, send, dtype)
-        except (RuntimeError, AttributeError) as err:  # torch.distributed errors are RuntimeErrors; no group: AttributeError
+        except RuntimeError as err:  # torch.distributed's errors (a peer died, a timeout) are RuntimeErrors
             self._broadcast = None
             return publish.Publication(self.learner.version, [], 0, time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
 
