@@ -97,6 +97,11 @@ class Backend(ABC):
     def worker_version(self, worker: int) -> int:
         """The newest version ``worker`` is known to serve (a lower bound while a publication travels)."""
 
+    def diagnose(self) -> list[dict]:
+        """Per worker, what a stall report shows: the version it serves, whether it takes work, and
+        what its own heartbeat says where there is one."""
+        return [{"worker": w, "serves": self.worker_version(w), "available": self.available(w)} for w in range(self.workers)]
+
     def probe_storage(self, run_dir: str, nonce: str) -> list[dict]:
         """Every learner rank's view of the driver's storage marker (learner.checkpoint.storage_probe);
         empty where the learner shares the driver's process."""

@@ -110,7 +110,9 @@ def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> s
 def _run(cfg, args: argparse.Namespace, stop) -> int:
     from controller.app import train
     from controller.backend import LearnerLost
+    from controller.config import ConfigError
     from controller.run_folder import RunFolderError, StorageError
+    from controller.watchdog import Stalled
     from learner.checkpoint import CheckpointError
     from learner.placement import PlacementError
 
@@ -123,11 +125,14 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
     try:
         result = train(cfg, resume=bool(args.resume), startup=startup, overwrite=args.overwrite, stop=stop)
-    except (LearnerLost, StorageError) as err:
+    except (LearnerLost, StorageError, Stalled) as err:
         print(f"drpo train: {err}", file=sys.stderr)
+        if isinstance(err, Stalled):
+            print(f"drpo train: resume from its newest checkpoint with: drpo train --resume {cfg.run_dir}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, CheckpointError, RunFolderError, PlacementError) as err:
-        # a missing dataset or model, a bad checkpoint, an occupied folder, a cluster without the configured roles
+    except (FileNotFoundError, CheckpointError, RunFolderError, PlacementError, ConfigError) as err:
+        # a missing dataset or model, a bad checkpoint, an occupied folder, a cluster without the configured
+        # roles, a learner layout that cannot split the model
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
     print(result.summary)

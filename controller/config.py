@@ -61,6 +61,13 @@ class ChaosConfig(_Config):
         None, ge=1, description="Worker 0 exits (its process dies) at its N-th broadcast receive, in its first life only: "
         "a worker dying during a publication.",
     )
+    fail_on_receive: int | None = Field(
+        None, ge=1, description="Worker 0 receives its N-th broadcast, then reports a failed load, in its first life only: "
+        "a live engine that cannot take a publication.",
+    )
+    lose_group: int | None = Field(
+        None, ge=1, description="Worker 0 never returns its N-th training group (a request that hangs): the run stalls.",
+    )
     seed: int = Field(0, description="Seed of the injected faults.")
 
 
@@ -124,6 +131,14 @@ class TrainConfig(_Config):
     )
     max_filtered_in_a_row: int = Field(
         2000, ge=1, description="Stop when this many groups in a row are filtered (all rewards equal): the task gives no signal."
+    )
+    stall_report_seconds: float = Field(
+        300.0, ge=0.0, description="When no training step or evaluation finishes for this long, report what the run waits "
+        "for (a `stall` record in metrics.jsonl, the drpo_stalled_seconds gauge, and stderr); 0 = never.",
+    )
+    stall_fail_seconds: float = Field(
+        1800.0, ge=0.0, description="When no training step or evaluation finishes for this long, fail the run with that "
+        "account instead of hanging (its newest checkpoint stays; --resume continues); 0 = never.",
     )
 
     @model_validator(mode="before")
@@ -330,3 +345,14 @@ def validate(tree: dict, source: str = "config") -> RunConfig:
 
 def dump(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def dotted(tree, prefix: str = "") -> dict[str, object]:
+    """A nested config (or part of one) as its leaves under dotted keys (``learner.objective.type``);
+    an empty mapping is a leaf."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        out.update(dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out

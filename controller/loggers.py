@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from controller.config import dotted
+
 _SKIP = ("kind", "step", "time")
 """Record fields that are not metrics (the step is the x axis)."""
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -64,17 +66,6 @@ class WandbLogger:
         self.run.finish()
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
-    """A nested config as dotted keys (``learner.objective.type``) with string values."""
-    out: dict[str, str] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = str(value)
-    return out
-
-
 class MLflowLogger:
     """Through ``MlflowClient`` (no global active run, so several runs can share a process)."""
 
@@ -91,7 +82,7 @@ class MLflowLogger:
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
         self.client.log_text(self.run_id, config_yaml, "config.yaml")
-        params = [Param(k, v[:6000]) for k, v in _flatten(config).items()]
+        params = [Param(k, str(v)[:6000]) for k, v in dotted(config).items()]
         for start in range(0, len(params), 100):  # MLflow's batch limit for params
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 

@@ -26,6 +26,7 @@ from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
 from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
+from controller.watchdog import MAX_LISTED, Watchdog
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
 
@@ -40,6 +41,8 @@ class _Flight:
     worker: int
     started: int | None = None
     """The version the worker served when it began this group (None while queued)."""
+    admitted: float = 0.0
+    """When it was submitted (the backend's clock)."""
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Step:
 
     groups: list[Group]
     batch: Batch
+    began: float = 0.0
 
 
 class Controller:
@@ -97,6 +101,7 @@ class Controller:
         """The step of the newest checkpoint (0: none, nothing trained yet)."""
         self.abandoned = False
         """Whether a stop abandoned a step in flight (the run then resumes from ``checkpointed``)."""
+        self.watchdog = Watchdog(cfg.train.stall_report_seconds, cfg.train.stall_fail_seconds, backend.now())
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -104,6 +109,7 @@ class Controller:
         """admit → generate → score → train → publish → evaluate → checkpoint, until the last step
         (or a stop is requested: then ``wind_down``)."""
         self.stop.graceful = True
+        self.watchdog.progress(self.backend.now())
         if self.cfg.eval.at_start and self.step == 0 and self.test:
             began = self.backend.now()
             self.evaluate(blocking=True)
@@ -129,7 +135,7 @@ class Controller:
             ticket = self.sampler.next()
             worker = min(live, key=self.load.__getitem__)
             self.load[worker] += 1
-            self.in_flight[ticket] = _Flight(worker)
+            self.in_flight[ticket] = _Flight(worker, admitted=self.backend.now())
             self.backend.submit(worker, ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt)
 
     def handle(self, events: Events) -> None:
@@ -145,6 +151,36 @@ class Controller:
         self.score(events.groups)
         if events.trained is not None:
             self.finish_step(events.trained)
+        stall = self.watchdog.check(self.backend.now(), self.stall_account)
+        if stall is not None:
+            self.telemetry.stall(stall)
+
+    def stall_account(self) -> dict:
+        """What the run waits for (controller/watchdog.py): the step, the learner, every worker and
+        the groups admitted and not returned, oldest first."""
+        now = self.backend.now()
+        expiring = self.version - self.cfg.train.max_staleness
+        if self.training is not None:
+            waiting = f"the learner to finish step {self.step + 1}"
+        elif self.evals and not self.cfg.eval.concurrent:
+            ev = next(iter(self.evals.values()))
+            waiting = f"evaluation results ({len(ev.results)} of {ev.expected} held-out prompts returned)"
+        elif len(self.buffer) >= self.batch_size:
+            waiting = f"groups started at or before version {expiring} to finish (train.over_bound=wait) before step {self.step + 1}"
+        else:
+            waiting = f"{self.batch_size - len(self.buffer)} more accepted groups for step {self.step + 1}"
+        flights = sorted(self.in_flight.items(), key=lambda kv: kv[1].admitted)
+        return {
+            "step": self.step, "version": self.version, "waiting_for": waiting,
+            "learner": f"training step {self.step + 1} for {now - self.training.began:.0f} s" if self.training else f"idle at version {self.version}",
+            "workers": self.backend.diagnose(),
+            "in_flight": [
+                {"ticket": str(t), "worker": f.worker, "started": "queued" if f.started is None else f"version {f.started}",
+                 "age_seconds": now - f.admitted} for t, f in flights[:MAX_LISTED]
+            ],
+            "in_flight_count": len(flights), "eval_pending": len(self.eval_pending),
+            "buffered": len(self.buffer), "batch_size": self.batch_size,
+        }
 
     def worker_lost(self, worker: int) -> None:
         """Re-queue what a dead worker held: its training prompts go back to the sampler (drawn
@@ -220,7 +256,7 @@ class Controller:
         batch = self.builder.build(chosen, self.version)
         for lag in batch.lags:
             self.staleness.check(lag)
-        self.training = _Step(chosen, batch)
+        self.training = _Step(chosen, batch, self.backend.now())
         self.backend.train(batch.train)
 
     def finish_step(self, result: TrainResult) -> None:
@@ -228,6 +264,7 @@ class Controller:
         if result.version != self.version + 1:
             raise RuntimeError(f"the learner reports version {result.version} after a step from version {self.version}")
         self.step += 1
+        self.watchdog.progress(self.backend.now())
         for g, lag in zip(done.groups, done.batch.lags):
             self.ledger.record(g.ticket, "trained", self.step, lag=lag)
         self.version = result.version
@@ -288,6 +325,7 @@ class Controller:
         }
         self.eval_history.append(record)
         self.telemetry.evaluation(record)
+        self.watchdog.progress(self.backend.now())
 
     # ---- checkpoints --------------------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ CATALOG: dict[str, Family] = {
     "drpo_step": Family("drpo_step", "gauge", "Training steps done"),
     "drpo_policy_version": Family("drpo_policy_version", "gauge", "Learner policy version"),
     "drpo_last_step_timestamp_seconds": Family("drpo_last_step_timestamp_seconds", "gauge", "Unix time of the last finished step (stall alerts)"),
+    "drpo_stalled_seconds": Family("drpo_stalled_seconds", "gauge", "Seconds without progress when a stall was last reported (0 after a step)"),
 }
 
 _RENAMES = {

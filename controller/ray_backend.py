@@ -19,15 +19,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import objectives
 from controller.backend import Backend, Events, LearnerLost, PublishReport, TrainResult
 from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
-from controller.config import RunConfig
+from controller.config import ConfigError, RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
 from learner.placement import PlacementError, wait_placed
-from learner.publish import DEFAULT_BUCKET_BYTES
 from rollout.records import Ticket
 from rollout.tasks import Problem
 from rollout.worker import RolloutWorker
 
+HEARTBEAT_SECONDS = 5.0
+"""How long a stall report waits for one worker's heartbeat."""
 PROBE_SECONDS = 5.0
 """How often wait() wakes to probe dead workers when nothing else happens."""
 VLLM_DEFAULT_MAX_LOGPROBS = 20
@@ -61,6 +62,16 @@ def check_roles(cfg: RunConfig, learner: bool = True) -> None:
             )
 
 
+def check_layout(cfg: RunConfig, folder: str) -> None:
+    """The learner's parallel layout must split the model (heads, widths, experts): refused at start, by field."""
+    from learner.model import ModelArch, layout_problems
+
+    p = cfg.learner.parallel
+    problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)} (model {folder})")
+
+
 class RayBackend(Backend):
     def __init__(self, cfg: RunConfig, model_folder: str | None = None, learner: bool = True):
         """``learner=False``: rollout workers only (``drpo eval``): nothing can train or publish."""
@@ -70,6 +81,8 @@ class RayBackend(Backend):
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
         check_roles(cfg, learner)
+        if learner:
+            check_layout(cfg, folder)
         # the learner's placement group is reserved first (PACK: its ranks together), then the
         # engines load while the learner ranks build their model: start-up is their maximum, not their sum
         self.learner = LearnerGroup(
@@ -88,6 +101,7 @@ class RayBackend(Backend):
         sampling = {
             "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
+            "seed": cfg.seed,  # each engine call's seed derives from it (rollout/worker.py call_seed)
         }
         eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature, "greedy": cfg.eval.greedy}
         engine_kwargs = dict(ro.engine_kwargs)
@@ -176,7 +190,7 @@ class RayBackend(Backend):
                 self._down.add(worker)
                 events.lost.append(worker)
                 if self._sync is not None:
-                    self._sync.members = ()  # its group rank is gone: the next publication forms a new group
+                    self._sync.invalidate()
                 continue
             events.groups.extend(finished)
             events.started.extend(began)
@@ -256,7 +270,7 @@ class RayBackend(Backend):
         return PublishReport(time.monotonic() - started, publication.nbytes)
 
     def _object_store_publication(self, version: int):
-        publication = self._learner_call(self.learner.publish, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
+        publication = self._learner_call(self.learner.publish, self.cfg.learner.weight_bucket_mib * 2**20, PUBLISH_DTYPE[self.cfg.rollout.precision])
         if publication.version != version:
             raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
         self._publication = publication
@@ -270,24 +284,44 @@ class RayBackend(Backend):
             live = [w for w in range(self.workers) if w not in self._down or w in self._rejoining]
             if not live:  # every worker is down: the restarted ones join the next publication
                 return PublishReport(time.monotonic() - started, 0, "broadcast", (), retries)
-            outcome = self._sync.attempt(live, DEFAULT_BUCKET_BYTES, PUBLISH_DTYPE[self.cfg.rollout.precision])
-            for w in sorted(outcome.dead - self._down):  # lost now (their work is re-queued); a restart brings them back
+            outcome = self._sync.attempt(live, self.cfg.learner.weight_bucket_mib * 2**20, PUBLISH_DTYPE[self.cfg.rollout.precision])
+            for w in outcome.failed_alone:  # alive but its engine cannot take weights: restarted, it rejoins like a dead one
+                ray.kill(self.actors[w], no_restart=False)
+            lost = outcome.dead | set(outcome.failed_alone)
+            for w in sorted(lost - self._down):  # lost now (their work is re-queued); a restart brings them back
                 self._lose(w)
-            self._rejoining -= outcome.dead
+            self._rejoining -= lost
             for w, got in outcome.received.items():
                 if "version" in got:
                     self._serving[w] = max(self._serving[w], got["version"])
-            if outcome.error is None:
+            if outcome.error is None or outcome.failed_alone:  # every other member has it: no re-send
                 for w in sorted(self._rejoining):  # back in the group, serving this version: work again
                     self._back(w)
                     self._revived.append(w)
                 self._rejoining.clear()
-                seconds = tuple(got["seconds"] for got in outcome.received.values())
+                seconds = tuple(got["seconds"] for got in outcome.received.values() if "version" in got)
                 return PublishReport(time.monotonic() - started, outcome.nbytes, "broadcast", seconds, retries)
         raise RuntimeError(
             f"weight broadcast of version {version} failed {BROADCAST_ATTEMPTS} times (last: {outcome.error}); "
             f"learner.weight_sync=object_store avoids the group"
         )
+
+    def diagnose(self) -> list[dict]:
+        """Backend.diagnose with each live worker's heartbeat (bounded: a hung actor says so)."""
+        out = super().diagnose()
+        refs = {w: self.actors[w].heartbeat.remote() for w in range(self.workers) if w not in self._down}
+        for w, ref in refs.items():
+            try:
+                beat = ray.get(ref, timeout=HEARTBEAT_SECONDS)
+            except (ray.exceptions.GetTimeoutError, RayActorError) as err:
+                out[w]["heartbeat"] = f"no answer within {HEARTBEAT_SECONDS:g} s ({type(err).__name__})"
+                continue
+            last = beat.get("last_step_time")
+            out[w].update({
+                "queue": beat["queue_depth"], "running": beat["in_flight"], "loop_alive": beat["alive"], "groups": beat["groups"],
+                "failures": beat["failures"], "last_engine_call": f"{time.time() - last:.0f} s ago" if last else "never",
+            })
+        return out
 
     def _collect_acks(self, ready: set) -> None:
         """Record the version of every worker whose ``update_weights`` returned (among ``ready``)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from controller.config import RunConfig, dump
+from controller.config import RunConfig, dotted, dump
 from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_storage_marker
 
@@ -107,15 +107,6 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     return checkpoint
 
 
-def _leaves(tree, prefix: str) -> dict[str, object]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out or {prefix: {}}
-
-
 def _at(tree: dict, dotted: str):
     for key in dotted.split("."):
         tree = tree.get(key) if isinstance(tree, dict) else None
@@ -125,7 +116,7 @@ def _at(tree: dict, dotted: str):
 def check_compatible(saved: dict, config: dict, source: Path) -> None:
     """Refuse to resume under a config whose identity fields (IDENTITY) differ from ``saved``'s."""
     for field in IDENTITY:
-        old, new = _leaves(_at(saved, field), field), _leaves(_at(config, field), field)
+        old, new = dotted(_at(saved, field), field), dotted(_at(config, field), field)
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):
                 raise RunFolderError(

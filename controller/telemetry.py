@@ -138,13 +138,22 @@ class Telemetry:
     def checkpoint(self, path: Path) -> None:
         self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})
 
+    def stall(self, record: dict) -> None:
+        """No progress for a while (controller/watchdog.py): the account, written, exported and printed."""
+        from controller.watchdog import describe
+
+        self._write({"kind": "stall", "time": self.clock(), **record})
+        if self.exporter is not None:
+            self.exporter.set({"stalled_seconds": record["stalled_seconds"]})
+        print(f"\ndrpo train: no progress for {record['stalled_seconds']:.0f} s: {describe(record)}", file=sys.stderr, flush=True)
+
     def stopped(self, signal: str | None, step: int, checkpointed: int, abandoned: bool) -> None:
         """The run stopped early on ``signal`` at ``step``; it resumes from the checkpoint of ``checkpointed``."""
         self._write({"kind": "stop", "time": self.clock(), "signal": signal, "step": step, "resume_step": checkpointed, "abandoned": abandoned})
 
     def _publish(self, values: dict, record: dict | None = None) -> None:
         self._write(record if record is not None else values)
-        values = {**values, "last_step_timestamp_seconds": time.time()} if record is None else values
+        values = {**values, "last_step_timestamp_seconds": time.time(), "stalled_seconds": 0.0} if record is None else values
         if self.exporter is not None:
             self.exporter.set(values)
 

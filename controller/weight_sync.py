@@ -36,6 +36,16 @@ class Outcome:
     """Workers whose actor died during the attempt."""
     error: str | None = None
     """Why the attempt failed (None: every member received the publication)."""
+    sent: bool = False
+    """The learner's rank 0 sent the whole publication (so a worker that reports an error failed on its own)."""
+
+    @property
+    def failed_alone(self) -> list[int]:
+        """Live workers that failed while the transfer itself succeeded for everyone (their engine
+        could not take it): restarting them is the way back, not another try."""
+        if not self.sent or self.dead:
+            return []
+        return sorted(w for w, r in self.received.items() if "error" in r)
 
 
 class BroadcastSync:
@@ -44,6 +54,10 @@ class BroadcastSync:
     def __init__(self, learner: LearnerGroup, actors: list, timeout_s: float):
         self.learner, self.actors, self.timeout_s = learner, actors, timeout_s
         self.members: tuple[int, ...] = ()
+
+    def invalidate(self) -> None:
+        """A member is gone (its group rank with it): the next publication forms a new group."""
+        self.members = ()
 
     def form(self, live: list[int]) -> tuple[set[int], list[int]]:
         """A new group of the learner's rank 0 and ``live`` workers (ranks 1.. in that order);
@@ -69,13 +83,14 @@ class BroadcastSync:
         receives = {self.actors[w].receive_weights.remote(): w for w in self.members}
         results, dead = self._settle(sends, receives)
         publication = results.pop(None)
-        out = Outcome(publication.nbytes if publication else 0, results, dead)
+        sent = publication is not None and publication.error is None
+        out = Outcome(publication.nbytes if publication else 0, results, dead, sent=sent)
         failed = sorted(w for w, r in results.items() if "error" in r)
         if publication is None or publication.error or failed or dead:
             out.error = (publication.error if publication and publication.error else None) or (
                 f"workers {sorted(dead)} died" if dead else f"workers {failed} failed to receive: {results[failed[0]]['error']}" if failed else "no publication"
             )
-            self.members = ()  # the group is broken: formed again before the next attempt
+            self.invalidate()  # the group is broken: formed again before the next attempt
         return out
 
     def _settle(self, learner_refs: list, worker_refs: dict) -> tuple[dict, set[int]]:

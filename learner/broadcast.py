@@ -6,6 +6,8 @@ on GPU (tensors move GPU to GPU) or ProcessGroupGloo on CPU, built directly so n
 join the other's default torch.distributed world. Each WeightBucket is sent as three broadcasts:
 the metadata length, the metadata (JSON: version, index, last, names, dtypes, shapes) and one flat
 byte buffer of all its tensors, so a bucket costs three collectives whatever its tensor count.
+Sends are asynchronous with one bucket in flight: the publisher exports and packs bucket k+1 while
+bucket k travels, and the receiver takes each tensor as a view of its bucket's buffer (no copy).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class WeightBroadcastGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str | None = None, timeout_s: float = 600.0):
         """Join the group; rank 0 hosts the rendezvous store on ``host:port``. All ranks must call."""
         self.rank, self.world_size = rank, world_size
+        self._in_flight: list = []
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timeout = timedelta(seconds=timeout_s)
@@ -35,20 +38,26 @@ class WeightBroadcastGroup:
         else:
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        """One broadcast from rank 0, bounded by the group's timeout (a peer that died raises)."""
-        self._pg.broadcast(tensor, 0).wait(self.timeout)
+    def _broadcast(self, tensor: torch.Tensor):
+        """Start one broadcast from rank 0; returns its work (``_finish`` it)."""
+        return self._pg.broadcast(tensor, 0)
+
+    def _finish(self, work) -> None:
+        """Wait for a broadcast, bounded by the group's timeout (a peer that died raises)."""
+        work.wait(self.timeout)
         if self.backend == "nccl":
             torch.cuda.current_stream().synchronize()  # NCCL's wait only orders streams: finish it on the host too
 
     def close(self) -> None:
         """Leave the group (NCCL: abort the communicator, whose resources a failed peer would keep)."""
+        self._in_flight = []
         if self.backend == "nccl" and hasattr(self._pg, "abort"):
             self._pg.abort()
         self._pg = self._store = None
 
     def send(self, bucket: WeightBucket) -> float:
-        """Publisher side (rank 0): broadcast one bucket; returns seconds spent."""
+        """Publisher side (rank 0): start broadcasting one bucket and return (seconds spent); the
+        bucket travels while the caller prepares the next one. ``flush`` waits for what is in flight."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 of a WeightBroadcastGroup sends")
         started = time.perf_counter()
@@ -58,29 +67,40 @@ class WeightBroadcastGroup:
             "dtypes": [str(bucket.tensors[n].dtype).removeprefix("torch.") for n in names],
             "shapes": [list(bucket.tensors[n].shape) for n in names],
         }
+        offsets, total = _layout(meta)
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for name, offset in zip(names, offsets):
+            t = bucket.tensors[name].reshape(-1)
+            flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).copy_(t)
         meta_bytes = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-        self._broadcast(torch.tensor([meta_bytes.numel()], dtype=torch.int64, device=self.device))
-        self._broadcast(meta_bytes.to(self.device))
-        flat = torch.cat([bucket.tensors[n].contiguous().reshape(-1).view(torch.uint8) for n in names]) if names else torch.empty(0, dtype=torch.uint8)
-        self._broadcast(flat.to(self.device))
+        self.flush()  # at most one bucket in flight: its buffers are released before the next is sent
+        pieces = [torch.tensor([meta_bytes.numel()], dtype=torch.int64).to(self.device), meta_bytes.to(self.device), flat]
+        self._in_flight = [(self._broadcast(p), p) for p in pieces]  # the work keeps its tensor alive
         return time.perf_counter() - started
 
+    def flush(self) -> None:
+        """Wait until every bucket sent has reached every engine (the group's timeout bounds it)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work, _ in in_flight:
+            self._finish(work)
+
     def receive(self) -> WeightBucket:
-        """Engine side (rank > 0): receive the next bucket, tensors on this group's device."""
+        """Engine side (rank > 0): receive the next bucket, tensors on this group's device (views
+        into one buffer per bucket, aligned so every tensor is a plain typed view; clone one to keep
+        it apart from its buffer, or to torch.save it)."""
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(length)
+        self._finish(self._broadcast(length))
         meta_bytes = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._broadcast(meta_bytes)
+        self._finish(self._broadcast(meta_bytes))
         meta = json.loads(bytes(meta_bytes.cpu().tolist()).decode())
-        dtypes = [getattr(torch, d) for d in meta["dtypes"]]
-        sizes = [int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(meta["shapes"], dtypes)]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        self._broadcast(flat)
-        tensors, offset = {}, 0
-        for name, shape, dtype, size in zip(meta["names"], meta["shapes"], dtypes, sizes):
-            # clone: independent tensors a consumer may keep, instead of typed views of one buffer
-            tensors[name] = flat[offset : offset + size].view(dtype).reshape(shape).clone()
-            offset += size
+        offsets, total = _layout(meta)
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self._finish(self._broadcast(flat))
+        tensors = {}
+        for name, shape, dtype, offset in zip(meta["names"], meta["shapes"], meta["dtypes"], offsets):
+            dtype = getattr(torch, dtype)
+            n = torch.Size(shape).numel()
+            tensors[name] = flat[offset:].view(dtype)[:n].view(shape) if n else torch.empty(shape, dtype=dtype, device=self.device)
         return WeightBucket(meta["version"], meta["index"], meta["last"], tensors)
 
     def receive_publication(self) -> list[WeightBucket]:
@@ -89,3 +109,52 @@ class WeightBroadcastGroup:
         while not received[-1].last:
             received.append(self.receive())
         return received
+
+
+
+class Membership:
+    """The broadcast group one process is in: joined again whenever the group is formed again (the
+    old group is closed first), and left when one of its collectives fails, so the next formation
+    starts clean. A failure that arrives late must not drop a group joined since."""
+
+    def __init__(self):
+        self.group: WeightBroadcastGroup | None = None
+
+    def join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.leave()
+        self.group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+
+    def leave(self) -> None:
+        old, self.group = self.group, None
+        if old is not None:
+            old.close()
+
+    def run(self, fn):
+        """``fn(group)``; a torch.distributed error (a peer died, a timeout; a RuntimeError) leaves the group and is raised."""
+        group = self.group
+        if group is None:
+            raise RuntimeError("this process is in no weight broadcast group (not joined, or its last collective failed)")
+        try:
+            return fn(group)
+        except RuntimeError:
+            if self.group is group:
+                self.group = None
+            raise
+
+    def receive_publication(self) -> list[WeightBucket]:
+        return self.run(WeightBroadcastGroup.receive_publication)
+
+
+ALIGN_BYTES = 64
+"""Every tensor of a bucket's buffer starts at a multiple of this, so the receiver can view it as
+its dtype without a copy (64: any dtype's alignment, and a cache line)."""
+
+
+def _layout(meta: dict) -> tuple[list[int], int]:
+    """Byte offset of each tensor of a bucket in its flat buffer, and the buffer's size."""
+    offsets, total = [], 0
+    for shape, dtype in zip(meta["shapes"], meta["dtypes"]):
+        offsets.append(total)
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        total += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, total

@@ -88,6 +88,10 @@ class LearnerConfig(_Config):
         "object store, every worker fetches them) or broadcast (a process group of rank 0 and every engine: NCCL on GPU, gloo "
         "on CPU; buckets arrive straight in the engine).",
     )
+    weight_bucket_mib: int = Field(
+        512, ge=1, description="A publication travels in buckets of at most this many MiB (a larger tensor alone); "
+        "each worker holds one bucket beside its weights while loading.",
+    )
     weight_sync_timeout_s: float = Field(
         60.0, gt=0.0, description="broadcast: a collective that takes longer fails (a dead engine cannot hang the learner); "
         "the group is then formed again without it and the publication re-sent.",

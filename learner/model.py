@@ -94,6 +94,24 @@ class ModelArch:
         return cls.from_hf_config(json.loads(path.read_text()))
 
 
+def layout_problems(arch: ModelArch, tensor: int, expert: int) -> list[str]:
+    """Why a learner layout cannot split this model (empty: it can), each naming its field."""
+    problems = []
+    for what, n in (("attention heads", arch.num_heads), ("key/value heads", arch.num_kv_heads),
+                    ("MLP width (intermediate_size)", arch.intermediate_size), ("vocabulary", arch.vocab_size)):
+        if n % tensor:
+            problems.append(f"learner.parallel.tensor={tensor} must divide the model's {what} ({n})")
+    if arch.num_experts is None:
+        if expert > 1:
+            problems.append(f"learner.parallel.expert={expert} needs an MoE model; this one has no experts")
+    else:
+        if arch.num_experts % expert:
+            problems.append(f"learner.parallel.expert={expert} must divide the model's experts ({arch.num_experts})")
+        if (arch.moe_intermediate_size or arch.intermediate_size) % tensor:
+            problems.append(f"learner.parallel.tensor={tensor} must divide the experts' width (moe_intermediate_size, {arch.moe_intermediate_size})")
+    return problems
+
+
 def transformer_config(arch: ModelArch, *, expert_parallel: int = 1, tensor_parallel: int = 1, precision: str = "fp32"):
     """The megatron-core TransformerConfig for ``arch`` (no dropout, CPU overrides applied).
 

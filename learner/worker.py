@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -9,7 +10,7 @@ import ray
 import torch
 
 from learner import checkpoint, distributed, publish
-from learner.broadcast import WeightBroadcastGroup
+from learner.broadcast import Membership
 from learner.config import LearnerConfig
 from learner.batch import TrainBatch
 from learner.learner import Learner, StepMetrics
@@ -24,7 +25,7 @@ class LearnerWorker:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
         self.learner: Learner | None = None
-        self._broadcast: WeightBroadcastGroup | None = None
+        self._broadcast = Membership()
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 will listen for the process group (called on rank 0 only)."""
@@ -64,6 +65,7 @@ class LearnerWorker:
             return None
         refs, nbytes = [], 0
         for bucket in publish.buckets(named, self.learner.version, max_bytes):
+            print("PROF export", round(time.perf_counter()-started,3), flush=True)
             ref = send(bucket)
             if ref is not None:
                 refs.append(ref)
@@ -77,26 +79,27 @@ class LearnerWorker:
     def join_broadcast(self, host: str, port: int, world_size: int, timeout_s: float = 600.0) -> None:
         """Rank 0 joins a weight broadcast group with the engines as its rank 0 (hosting its store);
         the other ranks only leave any group they had. A group formed again replaces the old one."""
-        old, self._broadcast = self._broadcast, None
-        if old is not None:
-            old.close()
         if self.rank == 0:
-            self._broadcast = WeightBroadcastGroup(host, port, 0, world_size, timeout_s=timeout_s)
+            self._broadcast.join(host, port, 0, world_size, timeout_s)
+        else:
+            self._broadcast.leave()
 
     def broadcast(self, max_bytes: int, dtype: str | None = None) -> publish.Publication | None:
         """Send the current weights to the engines over the broadcast group (GPU: NCCL), as ``dtype``.
         A collective that fails or times out (an engine died) leaves the group: the Publication
         carries the error, and the caller forms a new group before the next broadcast."""
-        def send(bucket: publish.WeightBucket) -> None:
-            self._broadcast.send(bucket)
+        if self.rank != 0:
+            return self._send_buckets(max_bytes, None, dtype)  # ranks > 0 only take part in the gathers
+
+        def publication(group) -> publish.Publication:
+            sent = self._send_buckets(max_bytes, group.send, dtype)
+            group.flush()  # the last bucket has reached every engine
+            return dataclasses.replace(sent, seconds=time.perf_counter() - started)
 
         started = time.perf_counter()
-        if self.rank == 0 and self._broadcast is None:
-            return publish.Publication(self.learner.version, [], 0, 0.0, error="rank 0 is in no broadcast group (it failed before)")
         try:
-            return self._send_buckets(max_bytes, send, dtype)
-        except RuntimeError as err:  # torch.distributed's errors (a peer died, a timeout) are RuntimeErrors
-            self._broadcast = None
+            return self._broadcast.run(publication)
+        except RuntimeError as err:  # torch.distributed's errors (a peer died, a timeout), or no group
             return publish.Publication(self.learner.version, [], 0, time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
 
     def hf_state(self) -> dict[str, torch.Tensor]:

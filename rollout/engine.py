@@ -10,6 +10,8 @@ response that spans an update carries both versions, token by token.
 
 from __future__ import annotations
 
+import hashlib
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterable, Literal
@@ -30,6 +32,11 @@ class SamplingParams:
     topk_logprobs: int = 0
     """Also return the K most likely tokens' log-probs at every step (0 = off)."""
     seed: int | None = None
+    """Seed of the whole call (sample r of the call draws from ``mix_seed(seed, r)``)."""
+    prompt_seeds: tuple[int, ...] | None = None
+    """One seed per prompt of the call, over ``seed``: sample j of prompt i draws from
+    ``mix_seed(prompt_seeds[i], j)`` whatever else the call holds, so two runs that give a prompt the
+    same seed draw the same samples from the same weights (common random numbers)."""
     greedy: bool = False
     """Take the most likely token at every step (evaluation); mu is still reported at ``temperature``."""
 
@@ -40,6 +47,23 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0 (greedy decoding has no behaviour distribution), got {self.temperature}")
         if self.topk_logprobs < 0:
             raise ValueError(f"topk_logprobs must be >= 0, got {self.topk_logprobs}")
+
+    def row_seeds(self, prompts: int) -> list[int] | None:
+        """The sampling seed of every row of a call of ``prompts`` prompts (n rows each), or None
+        when unseeded."""
+        if self.prompt_seeds is not None:
+            if len(self.prompt_seeds) != prompts:
+                raise ValueError(f"{len(self.prompt_seeds)} prompt seeds for {prompts} prompts")
+            return [mix_seed(s, j) for s in self.prompt_seeds for j in range(self.n)]
+        if self.seed is not None:
+            return [mix_seed(self.seed, r) for r in range(prompts * self.n)]
+        return None
+
+
+def mix_seed(*parts) -> int:
+    """A 31-bit seed from ``parts`` (hashed: nearby inputs give unrelated seeds)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -86,26 +110,20 @@ class Engine(ABC):
         """Join the learner's weight broadcast group (learner/broadcast.py) as ``rank``, replacing any
         group joined before. This default joins in the engine's own process (the hf engine);
         engines whose weights live in other processes join from there (vLLM's workers)."""
-        from learner.broadcast import WeightBroadcastGroup
+        from learner.broadcast import Membership
 
-        old, self._weight_group = getattr(self, "_weight_group", None), None
-        if old is not None:
-            old.close()
-        self._weight_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+        if not hasattr(self, "_weights_membership"):
+            self._weights_membership = Membership()
+        self._weights_membership.join(host, port, rank, world_size, timeout_s)
 
     def receive_weights(self) -> int:
         """Receive the next publication from the group straight into the engine (as
         ``update_weights`` would load it); returns its version. A failed or timed-out collective
         leaves the group (join again) and raises."""
-        group = getattr(self, "_weight_group", None)
-        if group is None:
-            raise RuntimeError("this engine is in no weight broadcast group")
-        try:
-            buckets = group.receive_publication()
-        except RuntimeError:
-            if self._weight_group is group:  # a late failure must not drop a group joined since
-                self._weight_group = None
-            raise
+        membership = getattr(self, "_weights_membership", None)
+        if membership is None:
+            raise RuntimeError("this engine never joined a weight broadcast group")
+        buckets = membership.receive_publication()
         self.update_weights(buckets)
         return buckets[-1].version
 
@@ -130,7 +148,5 @@ def fake_quantize_fp8(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """SHA-1 of a tensor's bytes, dtype and shape included: equal only for bit-identical tensors."""
-    import hashlib
-
     flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     return hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode() + flat.numpy().tobytes()).hexdigest()

@@ -50,8 +50,9 @@ class SGLangEngine(Engine):
         self.check_prompts(prompts)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
+        seeds = params.row_seeds(len(prompts))
+        if seeds is not None:  # one sampling dict per row, each with its own seed
+            sampling = [{**sampling, "sampling_seed": seed} for seed in seeds]
         outs = self.engine.generate(
             input_ids=rows, sampling_params=sampling, return_logprob=True, top_logprobs_num=params.topk_logprobs or None
         )

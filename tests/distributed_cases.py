@@ -59,6 +59,8 @@ def broadcast(rank: int, world: int, port: int, data_path: str, out_path: str) -
     if rank == 0:
         for bucket in publish.buckets(data["weights"].items(), version=data["version"], max_bytes=data["max_bytes"]):
             group.send(bucket)
+        group.flush()
     else:
         version, merged = publish.assemble(group.receive_publication())
-        torch.save({"version": version, "weights": merged}, out_path)
+        # the received tensors are typed views of one buffer per bucket, which torch.save refuses
+        torch.save({"version": version, "weights": {n: t.clone() for n, t in merged.items()}}, out_path)

@@ -181,3 +181,28 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkey
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step-000002"]
     assert (checkpoints / "step-000002" / "learner.bin").read_bytes() == b"x" * 100
     assert_ledger_exact(Path(cfg.run_dir), TRAIN_IDS, cfg.seed, 2, 4, 1)
+
+
+def test_a_group_that_never_returns_is_reported_then_fails_the_run_by_name(ray_local, tiny_chat_model, tmp_path, capfd):
+    from controller.watchdog import Stalled
+
+    cfg = run_config(tmp_path, tiny_chat_model, steps=6)
+    cfg = cfg.model_copy(update={
+        "rollout": cfg.rollout.model_copy(update={"workers": 1, "chaos": ChaosConfig(lose_group=10)}),
+        "eval": cfg.eval.model_copy(update={"every": 0, "at_start": False}),
+    })
+    cfg = with_train(cfg, mode="sync", max_staleness=0, stall_report_seconds=3.0, stall_fail_seconds=10.0)
+    started = time.monotonic()
+    with pytest.raises(Stalled, match="no training step finished for 1[0-9] s") as err:
+        train(cfg)
+    assert time.monotonic() - started < 120  # it failed instead of hanging
+    run_dir = Path(cfg.run_dir)
+    (stall,) = records(run_dir, "stall")  # reported once, before the failure
+    assert 3.0 <= stall["stalled_seconds"] < 10.0 and stall["step"] == len(records(run_dir, "step"))
+    assert stall["waiting_for"].startswith("1 more accepted groups") and stall["learner"].startswith("idle")
+    (lost,) = stall["in_flight"]  # the group worker 0 never returned, named with its worker and age
+    assert lost["worker"] == 0 and lost["started"].startswith("version") and lost["age_seconds"] >= 3.0
+    (worker,) = stall["workers"]
+    assert worker["serves"] == stall["version"] and worker["loop_alive"] is True and worker["running"] == 0
+    assert lost["ticket"] in str(err.value) and "worker 0" in str(err.value)
+    assert "no progress for" in capfd.readouterr().err  # printed for the person watching

@@ -16,6 +16,9 @@ def test_broadcast_group_delivers_every_tensor_bit_exactly(tmp_path):
     weights = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2)).state_dict()
     weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.bfloat16)  # mixed dtypes travel too
+    weights["odd.bf16"] = torch.arange(3, dtype=torch.bfloat16)  # 6 bytes: what follows must still be aligned
+    weights["odd.int64"] = torch.arange(5, dtype=torch.int64)
+    weights["odd.empty"] = torch.empty(0, 4)
     data = tmp_path / "data.pt"
     torch.save({"weights": weights, "version": 4, "max_bytes": 50_000}, data)
     out = tmp_path / "out.pt"

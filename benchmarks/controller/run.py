@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.controller.run            # simulation only (seconds)
     .venv/bin/python -m benchmarks.controller.run --real 4   # + the embedded default, sync vs async
     .venv/bin/python -m benchmarks.controller.run --before-after 5   # the default preset before vs after issue 15
+    .venv/bin/python -m benchmarks.controller.run --engines 5        # the default preset, hf vs vllm rollout workers
 
 Simulation: the Controller over SimulatedBackend with balanced stages (W workers at 1 group/s each,
 a training step of B = 4W groups taking 4 s, so both stages run at W groups/s). Reports async
@@ -97,31 +98,61 @@ BEFORE = (  # the embedded default before issue 15, as overrides of today's pres
 )
 
 
-def before_after(steps: int, rounds: int) -> None:
-    """A whole drpo train step on the embedded default, the preset before issue 15 and today's,
-    interleaved (before, after, before, ...) on one local Ray cluster; no evaluations or
-    checkpoints, the first step (warm-up) excluded. Engine changes of the same issue (prompt
-    prefilled once per group, CDF sampling) are in both: what differs is the configuration."""
+def interleaved_train(variants: dict[str, tuple[str, ...]], steps: int, rounds: int) -> dict[str, list[dict]]:
+    """Each variant (overrides of the embedded default) trained for ``steps`` steps per round, the
+    variants in turn, on one local Ray cluster; no evaluations or checkpoints. Returns each
+    variant's step records with every run's first step (warm-up) dropped."""
     import ray
 
     from controller.cli import _init_ray
 
-    seconds = {"before": [], "after": []}
+    records: dict[str, list[dict]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         _init_ray(load_config())
         for r in range(rounds):
-            for name, extra in (("before", BEFORE), ("after", ())):
+            for name, extra in variants.items():
                 run_dir = f"{tmp}/{name}-{r}"
                 train(load_config(overrides=[
                     f"run_dir={run_dir}", f"train.steps={steps}", "eval.at_start=false", "eval.every=0", "checkpoint.every=0",
                     "checkpoint.hf=false", "metrics.progress=false", "task.test_size=8", *extra,
                 ]))
-                seconds[name] += [rec["step_seconds"] for rec in step_records(run_dir)[1:]]
+                records[name] += step_records(run_dir)[1:]
         ray.shutdown()
-    b, a = statistics.median(seconds["before"]), statistics.median(seconds["after"])
+    return records
+
+
+def before_after(steps: int, rounds: int) -> None:
+    """A whole drpo train step on the embedded default, the preset before issue 15 and today's,
+    interleaved (before, after, before, ...). Engine changes of the same issue (prompt prefilled
+    once per group, CDF sampling) are in both: what differs is the configuration."""
+    records = interleaved_train({"before": BEFORE, "after": ()}, steps, rounds)
+    b, a = (statistics.median(r["step_seconds"] for r in records[k]) for k in ("before", "after"))
     print(f"\nwhole step, embedded default, {rounds} interleaved rounds x {steps} steps (first excluded), median s/step")
     print(f"  before (async, fp32 learner, no packing)   {b:6.1f}")
     print(f"  after  (today's preset)                    {a:6.1f}   x{b / a:.2f} faster")
+
+
+def generation_tokens_per_second(rec: dict) -> float:
+    """Sync mode: the step's generated tokens over its time outside training and publication."""
+    return rec["rollout/tokens_per_second"] * rec["step_seconds"] / max(
+        rec["step_seconds"] - rec["learner/seconds"] - rec["rollout/publish_seconds"], 1e-9
+    )
+
+
+def engines(steps: int, rounds: int) -> None:
+    """The embedded default with hf and with vllm rollout workers, interleaved: s/step and the
+    engine's generated tokens/s (the default is sync mode, so generation has the step's cores)."""
+    variants = {"hf": ("rollout.engine=hf",), "vllm": ("rollout.engine=vllm", "rollout.kv_cache_gib=1")}
+    records = interleaved_train(variants, steps, rounds)
+    print(f"\nembedded default (sync, bf16 engine), {rounds} interleaved rounds x {steps} steps (first excluded), medians")
+    print(f"{'engine':>8} {'s/step':>8} {'generation s':>13} {'generated tokens/s':>19} {'x hf':>6}")
+    rows = {}
+    for name, recs in records.items():
+        sec = statistics.median(r["step_seconds"] for r in recs)
+        gen = statistics.median(r["step_seconds"] - r["learner/seconds"] - r["rollout/publish_seconds"] for r in recs)
+        rows[name] = (sec, gen, statistics.median(map(generation_tokens_per_second, recs)))
+    for name, (sec, gen, tps) in rows.items():
+        print(f"{name:>8} {sec:>8.1f} {gen:>13.1f} {tps:>19.1f} {tps / rows['hf'][2]:>6.2f}")
 
 
 def main() -> None:
@@ -131,8 +162,12 @@ def main() -> None:
     parser.add_argument("--gen-cv", type=float, default=0.5)
     parser.add_argument("--real", type=int, default=0, metavar="STEPS", help="also run the embedded default for STEPS steps per mode")
     parser.add_argument("--before-after", type=int, default=0, metavar="STEPS", help="only: the default preset before vs after issue 15")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --before-after")
+    parser.add_argument("--engines", type=int, default=0, metavar="STEPS", help="only: the default preset with hf vs vllm workers")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --before-after / --engines")
     args = parser.parse_args()
+    if args.engines:
+        engines(args.engines, args.rounds)
+        return
     if args.before_after:
         before_after(args.before_after, args.rounds)
         return
