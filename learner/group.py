@@ -96,6 +96,10 @@ class LearnerGroup:
         resolves to the Publication, with ``error`` set if the broadcast failed)."""
         return [w.broadcast.remote(max_bytes, dtype) for w in self.workers]
 
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The full weights under HF names (every rank takes part in the gathers; rank 0's copy)."""
+        return ray.get([w.hf_state.remote() for w in self.workers])[0]
+
     def check_storage(self, run_dir: str | list[str], nonce: str) -> list[dict]:
         """Every rank's view of the driver's storage marker in ``run_dir`` (one path, or one per rank)."""
         paths = [run_dir] * len(self.workers) if isinstance(run_dir, str) else run_dir

@@ -48,7 +48,7 @@ def one_learner_step(backend, seed: int, vocab: int = 49152) -> None:
 
 def served_equals_learner(backend, worker: int) -> list[str]:
     """Names whose engine checksum differs from the learner's weights (in the published dtype)."""
-    learner = ray.get(backend.learner.workers[0].hf_state.remote())
+    learner = backend.learner.hf_state()
     engine = ray.get(backend.actors[worker].weight_checksums.remote())
     assert engine, "the engine reported no checksums"
     return [name for name, t in learner.items() if name in engine and engine[name] != tensor_checksum(t)]
