@@ -14,6 +14,7 @@ import torch
 
 from controller.staleness import LAG_BINS
 from learner.batch import TrainBatch
+from rollout.routing import NOT_ROUTED
 from objectives.advantages import compute_advantages
 from objectives.config import AdvantageConfig
 from rollout.records import Group
@@ -71,12 +72,27 @@ class BatchBuilder:
                 if c.topk_ids is None or c.topk_ids.shape != (r, self.topk):
                     raise ValueError(f"a sample has no engine top-{self.topk} log-probs (got {None if c.topk_ids is None else tuple(c.topk_ids.shape)})")
                 top_ids[i, p : p + r], top_logp[i, p : p + r] = c.topk_ids, c.topk_logp.float()
+        routed = self._routing(completions, width)
         per_group = torch.where(mask, lag, -1).amax(dim=1).view(len(groups), -1).amax(dim=1)
         counts = lag[mask].clamp(max=LAG_BINS - 1).bincount(minlength=LAG_BINS).tolist()
         train = TrainBatch(
             input_ids, mask, rollout_logp, seq_adv[:, None] * mask, lag,
-            rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
+            rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, routed_experts=routed, version=version,
         )
         spanning = sum(len(c.versions) > 0 and bool(c.versions.min() != c.versions.max()) for c in completions)
         metrics = {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
         return Batch(train, tuple(int(v) for v in per_group), {**metrics, "staleness/spanning_responses": float(spanning)})
+
+    @staticmethod
+    def _routing(completions, width: int) -> torch.Tensor | None:
+        """[n, width, layers, k] the engine's expert ids per position (-1: not routed, padding), when
+        every sample carries them (an MoE engine that records routing); else None."""
+        routed = [c.routed_experts for c in completions]
+        if not routed or any(r is None for r in routed):
+            return None
+        out = torch.full((len(routed), width, *routed[0].shape[1:]), NOT_ROUTED, dtype=torch.long)
+        for i, (c, r) in enumerate(zip(completions, routed)):
+            if r.shape[0] != len(c.prompt_ids) + len(c.response_ids) or r.shape[1:] != routed[0].shape[1:]:
+                raise ValueError(f"a sample's routed experts have shape {tuple(r.shape)} for {len(c.prompt_ids)} + {len(c.response_ids)} tokens")
+            out[i, : r.shape[0]] = r
+        return out

@@ -44,6 +44,9 @@ class TrainBatch:
     """[N, S] the learner's log-prob of each token before this step's updates (decoupled anchor)."""
     proximal_topk_logp: torch.Tensor | None = None
     """[N, S, K] the learner's log-probs, before this step's updates, of the engine's top-K ids."""
+    routed_experts: torch.Tensor | None = None
+    """[N, S, layers, k] int64 ids of the experts the engine routed each position to, per MoE layer
+    (-1 where it routed nothing: the last token, padding); replayed with ``learner.routing_replay``."""
     version: int | None = None
     """The learner version the controller consumes the batch at (the lags count from it); the
     learner refuses a batch whose version is not its own. None: not checked (direct learner use)."""
@@ -57,6 +60,8 @@ class TrainBatch:
         top = [getattr(self, name) for name in _TOP_K if getattr(self, name) is not None]
         if top and (len({tuple(t.shape) for t in top}) != 1 or tuple(top[0].shape[:-1]) != shape):
             raise ValueError(f"TrainBatch top-K tensors must all be {shape} + (K,), got {[tuple(t.shape) for t in top]}")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 4 or tuple(self.routed_experts.shape[:2]) != shape):
+            raise ValueError(f"TrainBatch.routed_experts must be {shape} + (layers, k), got {tuple(self.routed_experts.shape)}")
         if (self.rollout_topk_ids is None) != (self.rollout_topk_logp is None):
             raise ValueError("TrainBatch.rollout_topk_ids and rollout_topk_logp come together")
         if self.response_mask.dtype != torch.bool:

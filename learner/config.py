@@ -88,6 +88,11 @@ class LearnerConfig(_Config):
         "object store, every worker fetches them) or broadcast (a process group of rank 0 and every engine: NCCL on GPU, gloo "
         "on CPU; buckets arrive straight in the engine).",
     )
+    routing_replay: bool = Field(
+        False, description="MoE: the learner's routers use the experts the engine routed each token to (rollout routing "
+        "replay, R3), gate weights from the learner's own scores so the router still trains; needs packing=none and an "
+        "engine that records routing (hf).",
+    )
     weight_bucket_mib: int = Field(
         512, ge=1, description="A publication travels in buckets of at most this many MiB (a larger tensor alone); "
         "each worker holds one bucket beside its weights while loading.",
@@ -101,3 +106,12 @@ class LearnerConfig(_Config):
     topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")
     max_chunk_elements: int = Field(2**25, ge=1024, description="Logits per chunk in the memory-bounded log-prob kernel.")
     seed: int = Field(1234, description="Seed for weight init of layers the checkpoint does not cover, and RNG state.")
+
+    @model_validator(mode="after")
+    def _replay_needs_unpacked_rows(self) -> "LearnerConfig":
+        if self.routing_replay and self.packing != "none":
+            raise ValueError(
+                f"learner.routing_replay needs learner.packing=none (got {self.packing!r}): packed rows do not keep the "
+                "engine's token positions, which the replayed routing is laid out by"
+            )
+        return self

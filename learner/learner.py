@@ -26,6 +26,7 @@ from learner.batch import TrainBatch
 from learner.config import LearnerConfig
 from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
+from learner.routing import Routing
 from objectives.base import Metric, fraction, masked_mean
 from objectives.diagnostics import gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
@@ -100,6 +101,7 @@ class Learner:
         main = {id(p): loaded[name] for name, p in module.named_parameters() if name in loaded}
         self.optimizer = optim.build(self.model, cfg.optimizer, self.tp_size, bf16=cfg.precision == "bf16", initial=main)
         self.device = next(self.module.parameters()).device
+        self.routing = Routing(module) if arch.num_experts else None
         self.step_count = 0
         self.version = 0
 
@@ -149,11 +151,19 @@ class Learner:
         scored[:, 0] = False
         return self._packed_logprobs(packing.unpacked(input_ids), input_ids, scored, ids)
 
-    def _packed_logprobs(self, packed: packing.Packed, input_ids: torch.Tensor, scored: torch.Tensor, ids: torch.Tensor | None) -> TokenLogProbs:
+    def _packed_logprobs(
+        self, packed: packing.Packed, input_ids: torch.Tensor, scored: torch.Tensor, ids: torch.Tensor | None, routed: torch.Tensor | None = None,
+    ) -> TokenLogProbs:
         """Statistics of the tokens ``scored`` [n, S] of rows ``input_ids`` [n, S], computed by one
         forward of their packed layout; zero elsewhere. The output projection and softmax run on
-        the scored tokens only (always in fp32, from hidden states of the learner's precision)."""
+        the scored tokens only (always in fp32, from hidden states of the learner's precision).
+        ``routed`` [n, S, layers, k]: the engine's expert ids (MoE), replayed with ``routing_replay``
+        and compared with the learner's own routing (``routing_metrics``)."""
         device = self.device
+        if self.routing is not None:
+            if routed is not None and packed.input_ids.shape != input_ids.shape:
+                raise ValueError("routing replay needs learner.packing=none (packed rows do not keep the engine's positions)")
+            self.routing.prepare(routed, self.cfg.routing_replay)
         hidden = modeling.forward_hidden(
             self.module, packed.input_ids.to(device), packed.position_ids.to(device), packed.attention_mask.to(device)
         )
@@ -201,7 +211,7 @@ class Learner:
         logp = torch.zeros(batch.input_ids.shape)
         topk = torch.zeros(batch.rollout_topk_ids.shape) if batch.rollout_topk_ids is not None else None
         for rows, mb, packed in self._micro_batches(batch):
-            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
+            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids, mb.routed_experts)
             logp[rows] = stats.logp.cpu()
             if topk is not None:
                 topk[rows] = stats.ids_logp.cpu()
@@ -290,7 +300,9 @@ class Learner:
         slots = real = 0
         for _, mb, packed in self._micro_batches(batch.to(self.device)):
             slots, real = slots + packed.tokens, real + packed.real_tokens
-            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids)
+            stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids, mb.routed_experts)
+            if self.routing is not None:
+                acc.add("gap/", self.routing.metrics())
             inputs, anchor_metrics = self._objective_inputs(mb, stats)
             out = objectives.compute(self.cfg.objective, inputs)
             loss = objectives.aggregate(out.loss, mb.response_mask, self.cfg.aggregation.mode, normalizer, self.cfg.aggregation.horizon)

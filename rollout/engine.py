@@ -79,6 +79,10 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [P + L, layers, k] int16 ids of the experts the engine routed each position of
+    prompt + response to, per MoE layer (rollout routing replay); the last position was never an
+    input, its row is -1. None: a dense model, or an engine that does not report routing."""
 
 
 class Engine(ABC):

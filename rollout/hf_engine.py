@@ -22,6 +22,7 @@ import torch
 from learner.bridge import unfuse_experts
 from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
+from rollout.routing import RoutingRecorder, per_row
 
 
 def sample_categorical(logp: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
@@ -63,6 +64,7 @@ class HFEngine(Engine):
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._running = threading.Event()
         self._running.set()
+        self._routing = RoutingRecorder(self.model)  # MoE models: the experts each position was routed to
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -139,6 +141,7 @@ class HFEngine(Engine):
         seeds = params.row_seeds(len(prompts))
         gen = [torch.Generator().manual_seed(s) for s in seeds] if seeds is not None else None
         tokens, logps, versions, tops = [], [], [], []
+        self._routing.take()
         done = torch.zeros(len(rows), dtype=torch.bool)
         past, step_input = None, ids
         for step in range(params.max_new_tokens):
@@ -166,23 +169,30 @@ class HFEngine(Engine):
                 break
             step_input = token[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        return self._package(prompts, params, rows, tokens, logps, versions, tops)
+        return self._package(prompts, params, rows, tokens, logps, versions, tops, width)
 
-    def _package(self, prompts, params, rows, tokens, logps, versions, tops) -> list[list[Completion]]:
+    def _package(self, prompts, params, rows, tokens, logps, versions, tops, width: int) -> list[list[Completion]]:
         tokens, logps, versions = torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(versions, 1)
         out: list[list[Completion]] = [[] for _ in prompts]
-        for i, row in enumerate(rows):
+        lengths, stopped = [], []
+        for i in range(len(rows)):
             hits = torch.isin(tokens[i], self._eos).nonzero()
-            length = int(hits[0]) + 1 if len(hits) else tokens.shape[1]
+            lengths.append(int(hits[0]) + 1 if len(hits) else tokens.shape[1])
+            stopped.append(len(hits) > 0)
+        calls = self._routing.take()
+        routed = per_row(calls, prompts, params.n, width, lengths) if self._routing.active else [None] * len(rows)
+        for i, row in enumerate(rows):
+            length = lengths[i]
             out[i // params.n].append(
                 Completion(
                     prompt_ids=torch.tensor(row),
                     response_ids=tokens[i, :length].clone(),
                     rollout_logp=logps[i, :length].clone(),
                     versions=versions[i, :length].clone(),
-                    finish_reason="stop" if len(hits) else "length",
+                    finish_reason="stop" if stopped[i] else "length",
                     topk_ids=torch.stack([t.indices[i] for t in tops[:length]]) if tops else None,
                     topk_logp=torch.stack([t.values[i] for t in tops[:length]]) if tops else None,
+                    routed_experts=routed[i],
                 )
             )
         return out

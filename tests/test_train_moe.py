@@ -66,3 +66,14 @@ def test_moe_trains_async_with_expert_parallel_2(ray_local, tiny_moe_model, tmp_
     lag0 = [s["gap/numerics/abs_shift_mean"] for s in steps if s.get("gap/numerics/abs_shift_mean") == s.get("gap/numerics/abs_shift_mean")]
     assert lag0 and max(lag0) < 0.05  # mu at lag 0 matches the learner's pi within the fp32 pair's numerics
     exact(cfg)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_moe_trains_with_and_without_routing_replay(ray_local, tiny_moe_model, tmp_path, replay):
+    cfg = moe_config(tmp_path, tiny_moe_model, steps=4, routing_replay=replay, packing="none")
+    train(cfg)
+    steps = records(tmp_path / "run", "step")
+    assert len(steps) == 4
+    assert all(s["gap/routing_replayed_frac"] == float(replay) for s in steps)
+    assert all(0.0 <= s["gap/routing_disagreement_frac"] <= 1.0 for s in steps)  # measured either way
+    exact(cfg)
