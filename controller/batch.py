@@ -8,7 +8,7 @@ tokens', which the staleness bound is checked against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,45 +54,55 @@ class BatchBuilder:
         rewards = torch.tensor([g.scores for g in groups], dtype=torch.float32)
         seq_adv = compute_advantages(rewards, self.advantages).flatten()
         completions = [s.completion for g in groups for s in g.samples]
-        n, width = len(completions), max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.bool)
-        rollout_logp = torch.zeros((n, width))
+        rows = completion_batch(completions, self.pad_id)
+        mask = rows.response_mask
+        n, width = mask.shape
         lag = torch.zeros((n, width), dtype=torch.long)
         top_ids = torch.zeros((n, width, self.topk), dtype=torch.long) if self.topk else None
         top_logp = torch.zeros((n, width, self.topk)) if self.topk else None
         for i, c in enumerate(completions):
             p, r = len(c.prompt_ids), len(c.response_ids)
-            input_ids[i, :p] = c.prompt_ids
-            input_ids[i, p : p + r] = c.response_ids
-            mask[i, p : p + r] = True
-            rollout_logp[i, p : p + r] = c.rollout_logp.float()
             lag[i, p : p + r] = version - c.versions
             if self.topk and r:
                 if c.topk_ids is None or c.topk_ids.shape != (r, self.topk):
                     raise ValueError(f"a sample has no engine top-{self.topk} log-probs (got {None if c.topk_ids is None else tuple(c.topk_ids.shape)})")
                 top_ids[i, p : p + r], top_logp[i, p : p + r] = c.topk_ids, c.topk_logp.float()
-        routed = self._routing(completions, width)
         per_group = torch.where(mask, lag, -1).amax(dim=1).view(len(groups), -1).amax(dim=1)
         counts = lag[mask].clamp(max=LAG_BINS - 1).bincount(minlength=LAG_BINS).tolist()
-        train = TrainBatch(
-            input_ids, mask, rollout_logp, seq_adv[:, None] * mask, lag,
-            rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, routed_experts=routed, version=version,
+        train = replace(
+            rows, advantages=seq_adv[:, None] * mask, version_lag=lag, rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
         )
         spanning = sum(len(c.versions) > 0 and bool(c.versions.min() != c.versions.max()) for c in completions)
         metrics = {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
         return Batch(train, tuple(int(v) for v in per_group), {**metrics, "staleness/spanning_responses": float(spanning)})
 
-    @staticmethod
-    def _routing(completions, width: int) -> torch.Tensor | None:
-        """[n, width, layers, k] the engine's expert ids per position (-1: not routed, padding), when
-        every sample carries them (an MoE engine that records routing); else None."""
-        routed = [c.routed_experts for c in completions]
-        if not routed or any(r is None for r in routed):
-            return None
-        out = torch.full((len(routed), width, *routed[0].shape[1:]), NOT_ROUTED, dtype=torch.long)
-        for i, (c, r) in enumerate(zip(completions, routed)):
-            if r.shape[0] != len(c.prompt_ids) + len(c.response_ids) or r.shape[1:] != routed[0].shape[1:]:
-                raise ValueError(f"a sample's routed experts have shape {tuple(r.shape)} for {len(c.prompt_ids)} + {len(c.response_ids)} tokens")
-            out[i, : r.shape[0]] = r
-        return out
+
+def completion_batch(completions, pad_id: int = 0) -> TrainBatch:
+    """Completions as TrainBatch rows (prompt + response, right-padded with ``pad_id``): response
+    mask, mu, the engine's routing where every sample has it; zero advantages (BatchBuilder.build
+    adds advantages, lags and top-K)."""
+    n, width = len(completions), max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    rollout_logp = torch.zeros((n, width))
+    for i, c in enumerate(completions):
+        p, r = len(c.prompt_ids), len(c.response_ids)
+        input_ids[i, :p] = c.prompt_ids
+        input_ids[i, p : p + r] = c.response_ids
+        mask[i, p : p + r] = True
+        rollout_logp[i, p : p + r] = c.rollout_logp.float()
+    return TrainBatch(input_ids, mask, rollout_logp, torch.zeros((n, width)), routed_experts=_routing(completions, width))
+
+
+def _routing(completions, width: int) -> torch.Tensor | None:
+    """[n, width, layers, k] the engine's expert ids per position (-1: not routed, padding), when
+    every sample carries them (an MoE engine that records routing); else None."""
+    routed = [c.routed_experts for c in completions]
+    if not routed or any(r is None for r in routed):
+        return None
+    out = torch.full((len(routed), width, *routed[0].shape[1:]), NOT_ROUTED, dtype=torch.long)
+    for i, (c, r) in enumerate(zip(completions, routed)):
+        if r.shape[0] != len(c.prompt_ids) + len(c.response_ids) or r.shape[1:] != routed[0].shape[1:]:
+            raise ValueError(f"a sample's routed experts have shape {tuple(r.shape)} for {len(c.prompt_ids)} + {len(c.response_ids)} tokens")
+        out[i, : r.shape[0]] = r
+    return out

@@ -258,10 +258,10 @@ class RunConfig(_Config):
                 "learner.weight_sync=broadcast joins one process per engine to the group; engines with "
                 "rollout.engine_kwargs.tensor_parallel_size > 1 need object_store for now"
             )
-        if self.learner.routing_replay and self.rollout.engine != "hf":
+        if self.learner.routing_replay and self.rollout.engine == "sglang":
             raise ValueError(
-                f"learner.routing_replay needs the engine's routing; rollout.engine={self.rollout.engine!r} does not record it "
-                "yet (hf does; vLLM's enable_return_routed_experts needs its V2 model runner and is not wired)"
+                "learner.routing_replay needs the engine's routing; rollout.engine='sglang' does not record it "
+                "(hf does; vllm does on GPU, through its V2 model runner)"
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")

@@ -93,7 +93,7 @@ class RayBackend(Backend):
         bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **_role(ro.node_resource)}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
         try:
-            wait_placed(self.pg, "the rollout workers", [bundle] * ro.workers)
+            wait_placed(self.pg, f"the rollout workers (rollout.workers {ro.workers}, each {bundle})", [bundle] * ro.workers)
         except PlacementError:
             if self.learner is not None:
                 self.learner.shutdown()  # do not keep the learner's placement group on a shared cluster
@@ -107,6 +107,8 @@ class RayBackend(Backend):
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
+        if ro.engine == "vllm" and cfg.learner.routing_replay:
+            engine_kwargs.setdefault("record_routing", True)
         if ro.engine == "vllm" and ro.kv_cache_gib is not None:
             engine_kwargs.setdefault("kv_cache_gib", ro.kv_cache_gib)
         if ro.engine == "vllm" and sampling["topk_logprobs"] > VLLM_DEFAULT_MAX_LOGPROBS:

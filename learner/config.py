@@ -20,7 +20,10 @@ class ParallelConfig(_Config):
     """How the learner's world is split. world size = tensor * pipeline * data."""
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (attention heads, MLP and vocabulary split).")
-    pipeline: int = Field(1, ge=1, le=1, description="Pipeline-parallel size; only 1 is implemented so far.")
+    pipeline: int = Field(
+        1, ge=1, le=1, description="Pipeline-parallel size; only 1: the step is not built on megatron's pipeline schedule "
+        "(get_forward_backward_func) yet (README, The learner).",
+    )
     expert: int = Field(1, ge=1, description="Expert-parallel size for MoE models (divides the data-parallel ranks).")
     data: int = Field(1, ge=1, description="Data-parallel size.")
 

@@ -37,7 +37,9 @@ class LearnerGroup:
         n = cfg.parallel.world_size
         bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {}), **(resources or {})}
         self.pg = placement_group([bundle] * n, strategy="PACK")
-        wait_placed(self.pg, "the learner group", [bundle] * n)
+        p = cfg.parallel
+        wait_placed(self.pg, f"the learner group ({n} ranks: learner.parallel tensor {p.tensor} x data {p.data}, each "
+                    f"learner_resources {bundle})", [bundle] * n)
         actor = ray.remote(LearnerWorker)
         self.workers = [
             actor.options(

@@ -47,6 +47,7 @@ import torch
 
 from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
+from rollout.routing import NOT_ROUTED
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
 CPU_KV_CACHE_GIB = 1.0
@@ -101,15 +102,22 @@ class DrpoWorkerExtension:
 class VLLMEngine(Engine):
     def __init__(
         self, model_folder: str, precision: Precision = "fp32", version: int = 0, seed: int = 0, max_model_len: int = 2048,
-        kv_cache_gib: float | None = None, **llm_kwargs,
+        kv_cache_gib: float | None = None, record_routing: bool = False, **llm_kwargs,
     ):
         """``kv_cache_gib`` sizes the KV cache explicitly (vLLM's ``kv_cache_memory_bytes``). On CPU
         it defaults to CPU_KV_CACHE_GIB: by default vLLM's CPU backend reserves 92% of the machine's
         memory and refuses to start when less is free, so several workers on one machine could not
-        share it. On GPU None leaves it to ``gpu_memory_utilization``. ``llm_kwargs``: more vLLM
-        engine arguments."""
+        share it. On GPU None leaves it to ``gpu_memory_utilization``. ``record_routing`` (MoE,
+        rollout routing replay): vLLM returns the experts it routed each position to
+        (``enable_return_routed_experts``; its V2 model runner, which needs Triton: GPU only).
+        ``llm_kwargs``: more vLLM engine arguments."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         on_gpu = torch.cuda.is_available()
+        if record_routing and not on_gpu:
+            raise ValueError(
+                "recording routed experts with vLLM needs its V2 model runner, which needs Triton (CUDA); "
+                "on CPU use rollout.engine=hf for learner.routing_replay"
+            )
         kwargs = dict(
             model=str(model_folder), dtype="float32" if precision == "fp32" else "bfloat16", seed=seed,
             max_model_len=max_model_len, logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION,
@@ -117,6 +125,9 @@ class VLLMEngine(Engine):
         )
         if precision == "fp8" and on_gpu:
             kwargs["quantization"] = "fp8"
+        if record_routing:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed experts come back only from the V2 runner
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if kv_cache_gib is not None or not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
         self.version = version
@@ -175,7 +186,7 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         ids, logp, top_ids, top_logp, versions = [], [], [], [], []
-        finish = "length"
+        finish, routed = "length", None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=row), sampling, f"drpo-{next(self._ids)}"):
             o = out.outputs[0]
             new = self._parse(o, k)
@@ -187,13 +198,25 @@ class VLLMEngine(Engine):
             self.tokens_received += len(new[0])
             if o.finish_reason is not None:
                 finish = "stop" if o.finish_reason == "stop" else "length"
+                routed = self._routed(getattr(o, "routed_experts", None), len(row) + len(ids))
         return Completion(
             prompt_ids=torch.tensor(row), response_ids=torch.tensor(ids, dtype=torch.long),
             rollout_logp=torch.tensor(logp, dtype=torch.float32), versions=torch.tensor(versions, dtype=torch.long),
             finish_reason=finish,  # type: ignore[arg-type]
             topk_ids=torch.tensor(top_ids, dtype=torch.long) if k and ids else None,
-            topk_logp=torch.tensor(top_logp, dtype=torch.float32) if k and ids else None,
+            topk_logp=torch.tensor(top_logp, dtype=torch.float32) if k and ids else None, routed_experts=routed,
         )
+
+    @staticmethod
+    def _routed(experts, positions: int) -> torch.Tensor | None:
+        """vLLM's routed experts of a finished request ([tokens it computed, layers, k], prompt then
+        response) as ``Completion.routed_experts``: [positions, layers, k], -1 where none was recorded."""
+        if experts is None:
+            return None
+        got = torch.as_tensor(experts.astype("int16"))[: positions - 1]  # the last token was never an input
+        out = torch.full((positions, *got.shape[1:]), NOT_ROUTED, dtype=torch.int16)
+        out[: got.shape[0]] = got
+        return out
 
     @staticmethod
     def _sampling(params: SamplingParams, seed: int | None):

@@ -5,11 +5,12 @@ and the routing disagreement with and without replay are measured (bf16 engine, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from controller.batch import BatchBuilder
-from learner.batch import TrainBatch
+from controller.batch import completion_batch
 from learner.config import LearnerConfig
 from rollout.engine import SamplingParams
 from rollout.tasks import arithmetic_split
@@ -24,15 +25,8 @@ def sampled(tiny_moe_model):
     engine = HFEngine(str(tiny_moe_model), precision="bf16")
     prompts = [engine.chat_prompt(p.prompt) for p in arithmetic_split("train", 4)]
     completions = [c for group in engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0)) for c in group]
-    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-    ids = torch.zeros((len(completions), width), dtype=torch.long)
-    mask = torch.zeros(ids.shape, dtype=torch.bool)
-    mu = torch.zeros(ids.shape)
-    for i, c in enumerate(completions):
-        p, r = len(c.prompt_ids), len(c.response_ids)
-        ids[i, :p], ids[i, p : p + r], mask[i, p : p + r], mu[i, p : p + r] = c.prompt_ids, c.response_ids, True, c.rollout_logp
-    adv = torch.tensor([1.0, -1.0] * (len(completions) // 2))[:, None] * mask
-    return TrainBatch(ids, mask, mu, adv, routed_experts=BatchBuilder._routing(completions, width))
+    rows = completion_batch(completions)
+    return replace(rows, advantages=torch.tensor([1.0, -1.0] * (len(completions) // 2))[:, None] * rows.response_mask)
 
 
 def learner(folder, replay: bool):

