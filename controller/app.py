@@ -9,7 +9,7 @@ from pathlib import Path
 
 import objectives
 from controller.artifacts import export_run
-from controller.config import ArithmeticTask, RunConfig, dump
+from controller.config import ArithmeticTask, ConfigError, RunConfig, dump
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
 from controller.run_folder import check_shared, prepare
@@ -49,6 +49,18 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem], dict[str, li
     return train.problems, test.problems if test else [], {k: v for k, v in skipped.items() if v}
 
 
+def check_layout(cfg: RunConfig) -> None:
+    """The learner's parallel layout must split the model (heads, widths, experts): refused by field."""
+    from learner.model import ModelArch, layout_problems
+    from rollout.offline_model import materialize_smollm2
+
+    folder = cfg.model.path or str(materialize_smollm2())
+    p = cfg.learner.parallel
+    problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)} (model {folder})")
+
+
 def make_backend(cfg: RunConfig):
     if cfg.simulation is not None:
         from controller.simulation import SimulatedBackend
@@ -69,6 +81,8 @@ def train(
     ``stop``: set by the caller's signal handlers (controller/stop.py); the run then winds down early."""
     began = time.monotonic()
     run_dir = Path(cfg.run_dir)
+    if cfg.simulation is None and backend is None:
+        check_layout(cfg)  # before the run folder is touched
     checkpoint = prepare(cfg, resume, overwrite)
     train_set, test_set, skipped = problems(cfg)
     loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))

@@ -108,7 +108,7 @@ def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> s
 
 
 def _run(cfg, args: argparse.Namespace, stop) -> int:
-    from controller.app import train
+    from controller.app import check_layout, train
     from controller.backend import LearnerLost
     from controller.config import ConfigError
     from controller.run_folder import RunFolderError, StorageError
@@ -118,6 +118,11 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
 
     startup = {}
     if cfg.simulation is None:
+        try:
+            check_layout(cfg)  # before Ray starts (seconds) or the run folder is touched
+        except ConfigError as err:
+            print(f"drpo train: {err}", file=sys.stderr)
+            return 2
         began = time.monotonic()
         _init_ray(cfg)
         stop.install()  # ray.init took SIGTERM over

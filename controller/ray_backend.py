@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import objectives
 from controller.backend import Backend, Events, LearnerLost, PublishReport, TrainResult
 from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
-from controller.config import ConfigError, RunConfig
+from controller.config import RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
 from learner.placement import PlacementError, wait_placed
@@ -62,16 +62,6 @@ def check_roles(cfg: RunConfig, learner: bool = True) -> None:
             )
 
 
-def check_layout(cfg: RunConfig, folder: str) -> None:
-    """The learner's parallel layout must split the model (heads, widths, experts): refused at start, by field."""
-    from learner.model import ModelArch, layout_problems
-
-    p = cfg.learner.parallel
-    problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
-    if problems:
-        raise ConfigError(f"{'; '.join(problems)} (model {folder})")
-
-
 class RayBackend(Backend):
     def __init__(self, cfg: RunConfig, model_folder: str | None = None, learner: bool = True):
         """``learner=False``: rollout workers only (``drpo eval``): nothing can train or publish."""
@@ -81,8 +71,6 @@ class RayBackend(Backend):
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
         check_roles(cfg, learner)
-        if learner:
-            check_layout(cfg, folder)
         # the learner's placement group is reserved first (PACK: its ranks together), then the
         # engines load while the learner ranks build their model: start-up is their maximum, not their sum
         self.learner = LearnerGroup(

@@ -24,7 +24,10 @@ class ParallelConfig(_Config):
         1, ge=1, le=1, description="Pipeline-parallel size; only 1: the step is not built on megatron's pipeline schedule "
         "(get_forward_backward_func) yet (README, The learner).",
     )
-    expert: int = Field(1, ge=1, description="Expert-parallel size for MoE models (divides the data-parallel ranks).")
+    expert: int = Field(
+        1, ge=1, description="Expert-parallel size for MoE models: must divide tensor * data (the experts are split over "
+        "groups of that many ranks; e.g. expert 2 needs data 2 at tensor 1).",
+    )
     data: int = Field(1, ge=1, description="Data-parallel size.")
 
     @property
@@ -34,7 +37,10 @@ class ParallelConfig(_Config):
     @model_validator(mode="after")
     def _expert_divides_data(self) -> "ParallelConfig":
         if (self.tensor * self.data) % self.expert:
-            raise ValueError(f"parallel.expert={self.expert} must divide tensor*data={self.tensor * self.data}")
+            raise ValueError(
+                f"parallel.expert={self.expert} must divide tensor*data={self.tensor * self.data}: raise learner.parallel.data "
+                f"(e.g. --set learner.parallel.data={self.expert})"
+            )
         return self
 
 
@@ -94,7 +100,7 @@ class LearnerConfig(_Config):
     routing_replay: bool = Field(
         False, description="MoE: the learner's routers use the experts the engine routed each token to (rollout routing "
         "replay, R3), gate weights from the learner's own scores so the router still trains; needs packing=none and an "
-        "engine that records routing (hf).",
+        "engine that records routing (hf; vllm on GPU only).",
     )
     weight_bucket_mib: int = Field(
         512, ge=1, description="A publication travels in buckets of at most this many MiB (a larger tensor alone); "
@@ -109,6 +115,16 @@ class LearnerConfig(_Config):
     topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")
     max_chunk_elements: int = Field(2**25, ge=1024, description="Logits per chunk in the memory-bounded log-prob kernel.")
     seed: int = Field(1234, description="Seed for weight init of layers the checkpoint does not cover, and RNG state.")
+
+    @model_validator(mode="after")
+    def _expert_parallel_needs_unpacked_rows(self) -> "LearnerConfig":
+        if self.parallel.expert > 1 and self.packing != "none":
+            raise ValueError(
+                f"learner.parallel.expert={self.parallel.expert} needs learner.packing=none (got {self.packing!r}): expert-parallel "
+                "ranks exchange tokens in every MoE layer, so their micro-batches must match in count and shape, which packed "
+                "micro-batches (each rank's own rows and widths) do not"
+            )
+        return self
 
     @model_validator(mode="after")
     def _replay_needs_unpacked_rows(self) -> "LearnerConfig":

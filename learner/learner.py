@@ -161,9 +161,10 @@ class Learner:
         and compared with the learner's own routing (``routing_metrics``)."""
         device = self.device
         if self.routing is not None:
-            if routed is not None and packed.input_ids.shape != input_ids.shape:
-                raise ValueError("routing replay needs learner.packing=none (packed rows do not keep the engine's positions)")
-            self.routing.prepare(routed, self.cfg.routing_replay)
+            # packed rows do not keep the engine's positions: its routing is neither replayed there
+            # (the config refuses routing_replay with packing) nor compared
+            unpacked = packed.input_ids.shape == input_ids.shape
+            self.routing.prepare(routed if unpacked else None, self.cfg.routing_replay)
         hidden = modeling.forward_hidden(
             self.module, packed.input_ids.to(device), packed.position_ids.to(device), packed.attention_mask.to(device)
         )

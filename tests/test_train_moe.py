@@ -106,3 +106,18 @@ def test_vllm_records_the_experts_it_routed_to_on_gpu(tiny_moe_model):
             assert (routed[:-1] >= 0).all() and (routed[:-1] < 4).all() and (routed[-1] == -1).all()
     finally:
         engine.close()
+
+
+def test_moe_trains_with_packed_micro_batches_on_one_rank(ray_local, tiny_moe_model, tmp_path):
+    """The default preset packs (shared_prompt): the engine's routing is recorded but not compared
+    there; expert parallel needs unpacked rows (its ranks exchange tokens every MoE layer) and says so."""
+    from controller.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"learner.parallel.expert=2 needs learner.packing=none"):
+        load_config(overrides=["learner.parallel.data=2", "learner.parallel.expert=2", "learner.packing=shared_prompt"])
+    cfg = moe_config(tmp_path, tiny_moe_model, steps=3, packing="shared_prompt")
+    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"parallel": cfg.learner.parallel.model_copy(update={"data": 1, "expert": 1})})})
+    train(cfg)
+    steps = records(tmp_path / "run", "step")
+    assert len(steps) == 3 and not any("gap/routing_disagreement_frac" in s for s in steps)
+    exact(cfg)
