@@ -22,6 +22,7 @@ from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
+from learner.host import check_host
 from learner.placement import PlacementError, wait_placed
 from rollout.records import Ticket
 from rollout.tasks import Problem
@@ -189,7 +190,7 @@ class RayBackend(Backend):
             self._revive(self._probes.pop(ref), ref, events)
         if not (self._train and all(r in ready for r in self._train)):
             return events
-        per_rank, self._train = self._learner_call(ray.get, self._train), None
+        per_rank, self._train = check_host(self._learner_call(ray.get, self._train), "train"), None
         m = per_rank[0]  # every rank's metrics are already reduced across data-parallel ranks
         values = {**m.values, "learner/loss": m.loss, "learner/grad_norm": m.grad_norm, "learner/lr": m.lr}
         trained = TrainResult(m.version, m.tokens, m.seconds, values)

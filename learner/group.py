@@ -13,6 +13,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from learner.host import check_host
 from learner.placement import wait_placed
 from learner.publish import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig
@@ -66,7 +67,7 @@ class LearnerGroup:
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics
         (already reduced across ranks)."""
-        return ray.get(self.submit_train(batch, 1)[0])
+        return check_host(ray.get(self.submit_train(batch, 1)[0]), "train_step")
 
     def submit_train(self, batch: TrainBatch, mini_batches: int = 1) -> list:
         """Start ``mini_batches`` updates on consecutive slices of ``batch`` (each split across
@@ -78,7 +79,7 @@ class LearnerGroup:
         """Log-probs of every sequence (each data-parallel rank computes its slice)."""
         dp = self.cfg.parallel.data
         chunks = torch.tensor_split(input_ids, dp)
-        outs = ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)])
+        outs = check_host(ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)]), "compute_logprobs")
         return torch.cat([outs[r * self.cfg.parallel.tensor].logp for r in range(dp)])
 
     def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = None) -> Publication:
@@ -100,7 +101,7 @@ class LearnerGroup:
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The full weights under HF names (every rank takes part in the gathers; rank 0's copy)."""
-        return ray.get([w.hf_state.remote() for w in self.workers])[0]
+        return check_host(ray.get([w.hf_state.remote() for w in self.workers])[0], "hf_state")
 
     def check_storage(self, run_dir: str | list[str], nonce: str) -> list[dict]:
         """Every rank's view of the driver's storage marker in ``run_dir`` (one path, or one per rank)."""

@@ -12,6 +12,7 @@ import torch
 from learner import checkpoint, distributed, publish
 from learner.broadcast import Membership
 from learner.config import LearnerConfig
+from learner.host import to_host
 from learner.batch import TrainBatch
 from learner.learner import Learner, StepMetrics
 from objectives.logprobs import TokenLogProbs
@@ -45,10 +46,10 @@ class LearnerWorker:
 
     def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
         """One rollout batch (this rank's slice of each mini-batch): Learner.train."""
-        return self.learner.train(mini_batches)
+        return to_host(self.learner.train(mini_batches))
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
-        return self.learner.compute_logprobs(input_ids)
+        return to_host(self.learner.compute_logprobs(input_ids))
 
     def _send_buckets(self, max_bytes: int, send, dtype: str | None = None) -> publish.Publication | None:
         """Stream the weights as buckets through ``send`` on rank 0; every other rank only takes
@@ -104,7 +105,7 @@ class LearnerWorker:
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's current weights under HF names (tests and consumers check against it)."""
-        return dict(self.learner.hf_named_tensors())
+        return to_host(dict(self.learner.hf_named_tensors()))
 
     def save_checkpoint(self, folder: str) -> str:
         path = os.path.join(folder, f"learner-rank{self.rank:05d}.pt")
