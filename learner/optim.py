@@ -132,8 +132,19 @@ class MegatronDistributedAdam:
     construction), so they start on the bf16 grid (see TorchAdamW); a bf16 checkpoint does anyway.
 
     Written against megatron-core's public get_megatron_optimizer; exercised only on GPU (tests
-    marked gpu). Checkpointing its sharded states goes through megatron's dist_checkpointing, which
-    is not wired up yet: state_dict raises instead of writing a partial checkpoint.
+    marked gpu, not run yet). It cannot be built on CPU: megatron's mixed-precision optimizer
+    allocates its scalars with device="cuda", the distributed optimizer refuses parameters that are
+    not torch.cuda tensors (_build_model_and_main_param_groups) and its buffers live on
+    torch.cuda.current_device().
+
+    Checkpoints use megatron's "dp_zero" parameter-state format (what Megatron-LM's torch checkpoint
+    format saves): every rank keeps the optimizer's own state_dict (param groups, steps), and the
+    sharded fp32 main parameters and Adam moments are gathered over each optimizer's data-parallel
+    group with gloo (get_parameter_state_dp_zero) into data-parallel rank 0's file, then scattered
+    back on load (load_parameter_state_from_dp_zero). Saving and loading are collective: every rank
+    calls them together (LearnerGroup does); the run folder's temp-folder-and-rename keeps it atomic.
+    dist_checkpointing's sharded format (resharding across layouts) is not used: its torch_dist
+    save synchronizes CUDA streams and needs NCCL-side tensors, and a resumed run keeps its layout.
     """
 
     def __init__(self, model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False):
@@ -163,11 +174,26 @@ class MegatronDistributedAdam:
     def lr(self) -> float:
         return self.cfg.lr * lr_factor(self.cfg, max(0, self._step - 1))
 
+    def _parts(self) -> list:
+        """The optimizers megatron chained (dense and expert parameters have their own), or this one."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
     def state_dict(self) -> dict:
-        raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
+        """Collective (every rank at once): this rank's optimizer state, and on each part's
+        data-parallel rank 0 the part's gathered parameter state (None elsewhere)."""
+        param_state = [part.get_parameter_state_dp_zero(use_gloo_comm=True) for part in self._parts()]
+        return {"optimizer": self.optimizer.state_dict(), "param_state": param_state, "step": self._step}
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("checkpointing megatron's distributed optimizer (dist_checkpointing) is not implemented yet")
+        """Collective: restores the optimizer state, then scatters each part's parameter state from
+        its data-parallel rank 0 (whose checkpoint file holds it) to every rank of the part."""
+        parts = self._parts()
+        if len(state.get("param_state", ())) != len(parts):
+            raise ValueError(f"the checkpoint holds {len(state.get('param_state', ()))} optimizer parts, this learner has {len(parts)}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for part, param_state in zip(parts, state["param_state"]):
+            part.load_parameter_state_from_dp_zero(param_state if part.data_parallel_group.rank() == 0 else None)
+        self._step = int(state["step"])
 
 
 def build(model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False, initial: dict[int, torch.Tensor] | None = None):
