@@ -100,7 +100,7 @@ def _routing(completions, width: int) -> torch.Tensor | None:
     routed = [c.routed_experts for c in completions]
     if not routed or any(r is None for r in routed):
         return None
-    out = torch.full((len(routed), width, *routed[0].shape[1:]), NOT_ROUTED, dtype=torch.long)
+    out = torch.full((len(routed), width, *routed[0].shape[1:]), NOT_ROUTED, dtype=torch.int16)  # small: it travels to every rank
     for i, (c, r) in enumerate(zip(completions, routed)):
         if r.shape[0] != len(c.prompt_ids) + len(c.response_ids) or r.shape[1:] != routed[0].shape[1:]:
             raise ValueError(f"a sample's routed experts have shape {tuple(r.shape)} for {len(c.prompt_ids)} + {len(c.response_ids)} tokens")

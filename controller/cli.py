@@ -120,7 +120,7 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     if cfg.simulation is None:
         try:
             check_layout(cfg)  # before Ray starts (seconds) or the run folder is touched
-        except ConfigError as err:
+        except (ConfigError, FileNotFoundError, ValueError) as err:  # a bad layout; a missing or unsupported model
             print(f"drpo train: {err}", file=sys.stderr)
             return 2
         began = time.monotonic()

@@ -43,8 +43,8 @@ class Outcome:
     def failed_alone(self) -> list[int]:
         """Live workers that failed while the transfer itself succeeded for everyone (their engine
         could not take it): restarting them is the way back, not another try."""
-        if not self.sent or self.dead:
-            return []
+        if not self.sent or self.dead or not any("version" in r for r in self.received.values()):
+            return []  # when no member took it, the publication (not an engine) is what failed
         return sorted(w for w, r in self.received.items() if "error" in r)
 
 

@@ -45,7 +45,7 @@ class TrainBatch:
     proximal_topk_logp: torch.Tensor | None = None
     """[N, S, K] the learner's log-probs, before this step's updates, of the engine's top-K ids."""
     routed_experts: torch.Tensor | None = None
-    """[N, S, layers, k] int64 ids of the experts the engine routed each position to, per MoE layer
+    """[N, S, layers, k] int16 ids of the experts the engine routed each position to, per MoE layer
     (-1 where it routed nothing: the last token, padding); replayed with ``learner.routing_replay``."""
     version: int | None = None
     """The learner version the controller consumes the batch at (the lags count from it); the

@@ -121,10 +121,12 @@ class Membership:
         self.group: WeightBroadcastGroup | None = None
 
     def join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Close any group held, then join the new one as ``rank`` (all its members call at once)."""
         self.leave()
         self.group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
 
     def leave(self) -> None:
+        """Close the group held, if any."""
         old, self.group = self.group, None
         if old is not None:
             old.close()
@@ -137,11 +139,13 @@ class Membership:
         try:
             return fn(group)
         except RuntimeError:
-            if self.group is group:
+            if self.group is group:  # a late failure must not drop a group joined since
                 self.group = None
+            group.close()  # NCCL: abort the communicator a failed peer would hold (closing twice is harmless)
             raise
 
     def receive_publication(self) -> list[WeightBucket]:
+        """Engine side: the next publication's buckets (``run``'s failure handling)."""
         return self.run(WeightBroadcastGroup.receive_publication)
 
 

@@ -163,7 +163,7 @@ class Learner:
         if self.routing is not None:
             # packed rows do not keep the engine's positions: its routing is neither replayed there
             # (the config refuses routing_replay with packing) nor compared
-            unpacked = packed.input_ids.shape == input_ids.shape
+            unpacked = self.cfg.packing == "none" or packed.input_ids is input_ids  # token_logprobs' own plain layout
             self.routing.prepare(routed if unpacked else None, self.cfg.routing_replay)
         hidden = modeling.forward_hidden(
             self.module, packed.input_ids.to(device), packed.position_ids.to(device), packed.attention_mask.to(device)

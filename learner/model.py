@@ -107,6 +107,8 @@ def layout_problems(arch: ModelArch, tensor: int, expert: int) -> list[str]:
     else:
         if arch.num_experts % expert:
             problems.append(f"learner.parallel.expert={expert} must divide the model's experts ({arch.num_experts})")
+        if tensor > 1:  # megatron-core's MoE layer needs sequence parallel under tensor parallel, which the learner does not use
+            problems.append(f"learner.parallel.tensor={tensor} on an MoE model is not supported yet (use expert and data parallel)")
         if (arch.moe_intermediate_size or arch.intermediate_size) % tensor:
             problems.append(f"learner.parallel.tensor={tensor} must divide the experts' width (moe_intermediate_size, {arch.moe_intermediate_size})")
     return problems

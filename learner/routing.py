@@ -68,7 +68,7 @@ class Routing:
             return
         if routed.shape[2] != len(self.layers):
             raise ValueError(f"the engine recorded routing for {routed.shape[2]} MoE layers, the learner's model has {len(self.layers)}")
-        seq_major = routed.transpose(0, 1).reshape(-1, routed.shape[2], routed.shape[3])  # [S * B, layers, k]
+        seq_major = routed.transpose(0, 1).reshape(-1, routed.shape[2], routed.shape[3]).long()  # [S * B, layers, k]
         self._engine = seq_major
         if replay:
             for i, layer in enumerate(self.layers):

@@ -66,7 +66,6 @@ class LearnerWorker:
             return None
         refs, nbytes = [], 0
         for bucket in publish.buckets(named, self.learner.version, max_bytes):
-            print("PROF export", round(time.perf_counter()-started,3), flush=True)
             ref = send(bucket)
             if ref is not None:
                 refs.append(ref)

@@ -290,8 +290,9 @@ class RolloutWorker:
     def _params(self, tickets: list[Ticket], n: int) -> SamplingParams:
         """The sampling of one engine call, with its n: evaluation has its own (no top-K log-probs).
         With a seed (the run's), each prompt's seed is derived from it and the prompt's ticket (epoch
-        and problem id): runs with the same seed draw the same samples for the same draw of a prompt
-        from the same weights, however the prompts were batched."""
+        and problem id): runs with the same seed make the same random draws for the same draw of a
+        prompt, however the prompts were batched (the logits themselves can differ slightly with
+        padding and batch size)."""
         base = self.eval_sampling if isinstance(tickets[0], EvalTicket) else self.sampling
         seeds = None if base.seed is None else tuple(mix_seed(base.seed, repr(t)) for t in tickets)
         return dataclasses.replace(base, n=n, prompt_seeds=seeds)

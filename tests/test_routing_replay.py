@@ -48,7 +48,7 @@ def test_the_engine_records_every_position_and_layer(sampled):
 def test_replayed_routing_equals_the_engines_and_the_router_still_trains(megatron_single_rank, tiny_moe_model, sampled):
     model = learner(tiny_moe_model, replay=True)
     model.batch_logprobs(sampled)
-    engine = sampled.routed_experts.transpose(0, 1).reshape(-1, 2, 2)  # megatron's [S * B] token order
+    engine = sampled.routed_experts.transpose(0, 1).reshape(-1, 2, 2).long()  # megatron's [S * B] token order
     known = (engine >= 0).all(-1)
     for layer, replay in enumerate(model.routing.layers):
         chosen = replay.chosen.reshape(-1, 2)
