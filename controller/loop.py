@@ -26,7 +26,7 @@ from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
 from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
-from controller.watchdog import MAX_LISTED, Watchdog
+from controller.watchdog import Watchdog, stall_account
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
 
@@ -151,36 +151,9 @@ class Controller:
         self.score(events.groups)
         if events.trained is not None:
             self.finish_step(events.trained)
-        stall = self.watchdog.check(self.backend.now(), self.stall_account)
+        stall = self.watchdog.check(self.backend.now(), lambda: stall_account(self))
         if stall is not None:
             self.telemetry.stall(stall)
-
-    def stall_account(self) -> dict:
-        """What the run waits for (controller/watchdog.py): the step, the learner, every worker and
-        the groups admitted and not returned, oldest first."""
-        now = self.backend.now()
-        expiring = self.version - self.cfg.train.max_staleness
-        if self.training is not None:
-            waiting = f"the learner to finish step {self.step + 1}"
-        elif self.evals and not self.cfg.eval.concurrent:
-            ev = next(iter(self.evals.values()))
-            waiting = f"evaluation results ({len(ev.results)} of {ev.expected} held-out prompts returned)"
-        elif len(self.buffer) >= self.batch_size:
-            waiting = f"groups started at or before version {expiring} to finish (train.over_bound=wait) before step {self.step + 1}"
-        else:
-            waiting = f"{self.batch_size - len(self.buffer)} more accepted groups for step {self.step + 1}"
-        flights = sorted(self.in_flight.items(), key=lambda kv: kv[1].admitted)
-        return {
-            "step": self.step, "version": self.version, "waiting_for": waiting,
-            "learner": f"training step {self.step + 1} for {now - self.training.began:.0f} s" if self.training else f"idle at version {self.version}",
-            "workers": self.backend.diagnose(),
-            "in_flight": [
-                {"ticket": str(t), "worker": f.worker, "started": "queued" if f.started is None else f"version {f.started}",
-                 "age_seconds": now - f.admitted} for t, f in flights[:MAX_LISTED]
-            ],
-            "in_flight_count": len(flights), "eval_pending": len(self.eval_pending),
-            "buffered": len(self.buffer), "batch_size": self.batch_size,
-        }
 
     def worker_lost(self, worker: int) -> None:
         """Re-queue what a dead worker held: its training prompts go back to the sampler (drawn

@@ -65,3 +65,31 @@ def describe(record: dict) -> str:
         parts.append(f"admitted and not returned: {listed}" + (f" and {more} more" if more > 0 else ""))
     parts.append(f"buffered {record['buffered']} of {record['batch_size']} groups")
     return " | ".join(parts)
+
+
+def stall_account(ctl) -> dict:
+    """What the Controller ``ctl`` waits for: the step, the learner, every worker and the groups
+    admitted and not returned, oldest first."""
+    now = ctl.backend.now()
+    expiring = ctl.version - ctl.cfg.train.max_staleness
+    if ctl.training is not None:
+        waiting = f"the learner to finish step {ctl.step + 1}"
+    elif ctl.evals and not ctl.cfg.eval.concurrent:
+        ev = next(iter(ctl.evals.values()))
+        waiting = f"evaluation results ({len(ev.results)} of {ev.expected} held-out prompts returned)"
+    elif len(ctl.buffer) >= ctl.batch_size:
+        waiting = f"groups started at or before version {expiring} to finish (train.over_bound=wait) before step {ctl.step + 1}"
+    else:
+        waiting = f"{ctl.batch_size - len(ctl.buffer)} more accepted groups for step {ctl.step + 1}"
+    flights = sorted(ctl.in_flight.items(), key=lambda kv: kv[1].admitted)
+    return {
+        "step": ctl.step, "version": ctl.version, "waiting_for": waiting,
+        "learner": f"training step {ctl.step + 1} for {now - ctl.training.began:.0f} s" if ctl.training else f"idle at version {ctl.version}",
+        "workers": ctl.backend.diagnose(),
+        "in_flight": [
+            {"ticket": str(t), "worker": f.worker, "started": "queued" if f.started is None else f"version {f.started}",
+             "age_seconds": now - f.admitted} for t, f in flights[:MAX_LISTED]
+        ],
+        "in_flight_count": len(flights), "eval_pending": len(ctl.eval_pending),
+        "buffered": len(ctl.buffer), "batch_size": ctl.batch_size,
+    }

@@ -57,3 +57,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class GatherVocabShards(torch.autograd.Function):
+    """All-gather the vocab-parallel output weight; backward keeps this rank's rows.
+
+    Every tensor-parallel rank computes the same loss from the same hidden states, so each already
+    holds the full weight's gradient; its shard's gradient is its slice, not a sum over ranks.
+    Costs one full [V, H] weight per rank: fine for the models this runs today; a vocab-parallel
+    kernel (reduce max and sum-exp over the group) is the scalable replacement.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, group, rank, size):
+        parts = all_gather_parts(shard, size, group)
+        ctx.rank, ctx.rows = rank, shard.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None, None, None
+
+
+def all_gather_parts(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` over ``group`` (of ``size`` ranks), in rank order."""
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts

@@ -24,6 +24,7 @@ from learner import bridge, checkpoint, optim, packing
 from learner import model as modeling
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
+from learner import distributed
 from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
 from learner.routing import Routing
@@ -50,33 +51,6 @@ class StepMetrics:
     values: dict[str, float] = field(default_factory=dict)
     """objective/* (every objective diagnostic), gap/*, learner/*; each reduced by its kind over all
     micro-batches, updates and data-parallel ranks; histograms as '/bin_i'."""
-
-
-class _GatherVocabShards(torch.autograd.Function):
-    """All-gather the vocab-parallel output weight; backward keeps this rank's rows.
-
-    Every tensor-parallel rank computes the same loss from the same hidden states, so each already
-    holds the full weight's gradient; its shard's gradient is its slice, not a sum over ranks.
-    Costs one full [V, H] weight per rank: fine for the models this runs today; a vocab-parallel
-    kernel (reduce max and sum-exp over the group) is the scalable replacement.
-    """
-
-    @staticmethod
-    def forward(ctx, shard, group, rank, size):
-        parts = [torch.empty_like(shard) for _ in range(size)]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        ctx.rank, ctx.rows = rank, shard.shape[0]
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None, None, None
-
-
-def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
 
 
 class Learner:
@@ -142,7 +116,7 @@ class Learner:
             return weight
         from megatron.core import parallel_state
 
-        return _GatherVocabShards.apply(weight, parallel_state.get_tensor_model_parallel_group(), self.tp_rank, self.tp_size)
+        return distributed.GatherVocabShards.apply(weight, parallel_state.get_tensor_model_parallel_group(), self.tp_rank, self.tp_size)
 
     def token_logprobs(self, input_ids: torch.Tensor, ids: torch.Tensor | None = None) -> TokenLogProbs:
         """Per-token statistics aligned with input_ids (position 0 is 0); differentiable when grad is on.
@@ -364,7 +338,7 @@ class Learner:
         state = self._own_tensors()
         if self.tp_size > 1:
             group = parallel_state.get_tensor_model_parallel_group()
-            state = {name: bridge.unshard(name, _all_gather(t, self.tp_size, group)) for name, t in state.items()}
+            state = {name: bridge.unshard(name, distributed.all_gather_parts(t, self.tp_size, group)) for name, t in state.items()}
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         if ep_size == 1:
             return state
@@ -374,7 +348,7 @@ class Learner:
             if ".mlp.experts.local_experts." not in name:
                 full[name] = t
                 continue
-            for ep_rank, part in enumerate(_all_gather(t, ep_size, group)):
+            for ep_rank, part in enumerate(distributed.all_gather_parts(t, ep_size, group)):
                 full[bridge.expert_global_name(name, ep_rank, ep_size, self.arch.num_experts)] = part
         return full
 
