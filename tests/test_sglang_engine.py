@@ -29,3 +29,37 @@ def test_sglang_mu_matches_transformers_and_weight_updates_apply(smollm2_folder,
         assert (after[0].versions == 1).all()
     finally:
         engine.close()
+
+
+def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2_folder, reference):
+    """The update lands between decoding steps (in-place pause): each response holds old-version
+    tokens then new-version ones, with nothing dropped; fp8 rollout serves and takes the update."""
+    pytest.importorskip("sglang")
+    import threading
+    import time
+
+    import torch
+
+    from rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(str(smollm2_folder), precision="fp8")
+    try:
+        state = {k: v * 1.01 for k, v in reference.state_dict().items() if k.endswith("mlp.up_proj.weight")}
+        prompt = [engine.chat_prompt("Write a long story about a dragon.")]
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(group=engine.generate(prompt, SamplingParams(n=2, max_new_tokens=256, seed=3))[0]))
+        thread.start()
+        deadline = time.time() + 120
+        while engine.tokens_received < 10 and time.time() < deadline:
+            time.sleep(0.002)
+        engine.update_weights(publish.buckets(state.items(), version=1))
+        thread.join(timeout=300)
+        for c in result["group"]:
+            v = c.versions.tolist()
+            assert torch.isfinite(c.rollout_logp).all()
+            if c.finish_reason == "length":
+                assert len(v) == 256
+            assert v == sorted(v) and v[0] == 0, v
+        assert any(1 in c.versions.tolist() for c in result["group"]), "the update did not land mid-response"
+    finally:
+        engine.close()

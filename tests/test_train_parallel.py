@@ -6,6 +6,8 @@ A layout that cannot split the model is refused at start, naming the field."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from controller.app import train
@@ -60,3 +62,44 @@ def test_a_layout_that_cannot_split_the_model_is_refused_by_field(ray_local, tin
     cfg = layout_config(tmp_path, tiny_chat_model, "expert 2", {"expert": 2})
     with pytest.raises(ConfigError, match=r"learner\.parallel\.expert=2 needs an MoE model"):
         train(cfg)
+
+
+def test_a_crash_mid_checkpoint_keeps_the_previous_one_and_data_parallel_resume_continues_the_run(ray_local, tiny_chat_model, tmp_path, monkeypatch):
+    """Data parallel 2, checkpoints every 2 steps: the last rank's file of the step-4 checkpoint is
+    cut short and the run dies there. The step-2 checkpoint is intact, and resuming from it trains
+    steps 3 and 4 exactly as the first run did (every rank's weights and Adam moments came back:
+    step 4's loss depends on step 3's update, which depends on the restored moments)."""
+    from controller.ray_backend import RayBackend
+
+    cfg = layout_config(tmp_path, tiny_chat_model, "data 2 resume", {"data": 2})
+    cfg = cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"steps": 4}), "checkpoint": cfg.checkpoint.model_copy(update={"every": 2, "keep": 5}),
+    })
+    real_save, saves = RayBackend.save, []
+
+    def crash_in_second_save(self, folder):
+        real_save(self, folder)
+        saves.append(folder)
+        if len(saves) == 2:  # the process dies while the last rank's file is half written
+            rank_file = Path(folder) / "learner-rank00001.pt"
+            rank_file.write_bytes(rank_file.read_bytes()[:1000])
+            raise RuntimeError("crash while writing the checkpoint")
+
+    monkeypatch.setattr(RayBackend, "save", crash_in_second_save)
+    with pytest.raises(RuntimeError, match="crash while writing"):
+        train(cfg)
+    checkpoints = Path(cfg.run_dir) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step-000002"]
+    first = {r["step"]: r for r in records(Path(cfg.run_dir), "step")}
+    assert sorted(first) == [1, 2, 3, 4]
+
+    monkeypatch.setattr(RayBackend, "save", real_save)
+    train(cfg, resume=True)
+    resumed = records(Path(cfg.run_dir), "step")[4:]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        a = first[r["step"]]
+        assert r["learner/tokens"] == a["learner/tokens"] and r["reward/mean"] == a["reward/mean"], r["step"]
+        assert r["learner/loss"] == pytest.approx(a["learner/loss"], rel=1e-6, abs=1e-9), r["step"]
+        assert r["learner/grad_norm"] == pytest.approx(a["learner/grad_norm"], rel=1e-6), r["step"]
+    assert (checkpoints / "step-000004" / "learner-rank00001.pt").stat().st_size > 1000  # written whole this time

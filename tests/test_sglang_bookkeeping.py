@@ -1,0 +1,217 @@
+"""The sglang engine's request/response bookkeeping without a GPU: SGLang's response format parsed
+by the engine's pure functions, and the engine's own generate/update code driven against a
+scheduling stand-in of the subset of SGLang's offline API it calls (``async_generate(stream=True)``
+streaming running totals by reference as SGLang does, the tokenizer manager's in-place
+pause/continue, ``update_weights_from_tensor``, ``flush_cache``). The real engine runs only in the
+gpu-marked tests (tests/test_sglang_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from learner.publish import WeightBucket
+from rollout.engine import SamplingParams, tensor_checksum
+from rollout.sglang_engine import SGLangEngine, check_update, finish_reason, running_totals, sglang_sampling
+
+
+# ---- the format ------------------------------------------------------------------------------------
+
+
+def test_running_totals_read_ids_logprobs_and_topk_from_a_chunk():
+    meta = {
+        "output_token_logprobs": [(-0.5, 11, None), (-1.5, 12, "x")],
+        "output_top_logprobs": [[(-0.5, 11, None), (-0.9, 3, None)], [(-0.2, 4, None), (-1.5, 12, None)]],
+    }
+    assert running_totals(meta, 0) == ([11, 12], [-0.5, -1.5], None, None)
+    assert running_totals(meta, 2) == ([11, 12], [-0.5, -1.5], [[11, 3], [4, 12]], [[-0.5, -0.9], [-0.2, -1.5]])
+    with pytest.raises(RuntimeError, match="fewer than 3 top"):
+        running_totals(meta, 3)
+    with pytest.raises(RuntimeError, match="top-2 log-probs for 1 of 2"):
+        running_totals({**meta, "output_top_logprobs": meta["output_top_logprobs"][:1]}, 2)
+    with pytest.raises(RuntimeError, match="no output_token_logprobs"):
+        running_totals({}, 0)
+    ids, logp, _, _ = running_totals({"output_token_logprobs": [(None, 5, None)]}, 0)
+    assert ids == [5] and logp[0] != logp[0]  # a missing log-prob becomes NaN (TokenStream refuses it)
+
+
+def test_finish_reasons_and_update_answers():
+    assert finish_reason({"finish_reason": {"type": "length", "length": 8}}) == "length"
+    assert finish_reason({"finish_reason": {"type": "stop", "matched": 2}}) == "stop"
+    with pytest.raises(RuntimeError, match="SGLang aborted a request: out of memory"):
+        finish_reason({"finish_reason": {"type": "abort", "message": "out of memory"}})
+    with pytest.raises(RuntimeError, match="unknown finish reason"):
+        finish_reason({"finish_reason": None})
+    bucket = WeightBucket(3, 1, True, {})
+    check_update((True, "ok"), bucket)
+    check_update(types.SimpleNamespace(success=True), bucket)
+    with pytest.raises(RuntimeError, match="rejected weight bucket 1 of version 3: shape mismatch"):
+        check_update((False, "shape mismatch"), bucket)
+
+
+def test_sampling_is_plain_temperature_with_the_rows_seed():
+    params = SamplingParams(n=2, max_new_tokens=7, temperature=0.8)
+    assert sglang_sampling(params, None) == {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 7}
+    assert sglang_sampling(params, 42)["sampling_seed"] == 42
+    assert sglang_sampling(SamplingParams(greedy=True), None)["temperature"] == 0.0
+
+
+# ---- the engine's code against a stand-in of SGLang's API ------------------------------------------
+
+
+@dataclass
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    pass
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+
+
+class StandInManager:
+    """SGLang's tokenizer manager, as far as the engine uses it: a paused scheduler takes updates at
+    once; in-place pausing keeps requests; a flush fails while requests run."""
+
+    def __init__(self, owner: "StandInSGLang"):
+        self.owner, self.calls = owner, []
+
+    async def pause_generation(self, obj):
+        self.calls.append(("pause", obj.mode))
+        self.owner.running.clear()
+        async with self.owner.stepping:  # the decoding step in progress finishes
+            pass
+
+    async def continue_generation(self, obj):
+        self.calls.append(("continue",))
+        self.owner.running.set()
+
+    async def update_weights_from_tensor(self, obj, request):
+        assert not self.owner.running.is_set(), "an update landed while the scheduler was decoding"
+        assert len(obj.serialized_named_tensors) == self.owner.server_args.tp_size  # one payload per TP rank
+        named = pickle.loads(obj.serialized_named_tensors[0])
+        self.calls.append(("update", [n for n, _ in named], obj.flush_cache))
+        await asyncio.sleep(0.005)
+        self.owner.weights = int(dict(named).get("version_marker", torch.tensor(self.owner.weights)).item())
+        return True, "Succeeded to update model weights."
+
+    async def flush_cache(self):
+        self.calls.append(("flush", self.owner.requests))
+        return types.SimpleNamespace(success=self.owner.requests == 0)
+
+
+class StandInSGLang:
+    """Streams every request's running totals by reference (SGLang hands out its growing state lists);
+    each token's log-prob encodes the weights that produced it (-1 - weights)."""
+
+    def __init__(self):
+        self.server_args = types.SimpleNamespace(tp_size=2)
+        self.tokenizer_manager = StandInManager(self)
+        self.weights, self.requests = 0, 0
+        self.running, self.stepping = asyncio.Event(), asyncio.Lock()
+        self.running.set()
+        self.thread = threading.current_thread().name
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num, stream, rid):
+        assert stream and return_logprob and threading.current_thread().name == self.thread  # one loop, one thread
+        tokens = sampling_params["max_new_tokens"]
+
+        async def chunks():
+            self.requests += 1
+            state = []  # SGLang's per-request list, extended in place and handed out by reference
+            for i in range(tokens):
+                await self.running.wait()
+                async with self.stepping:
+                    await asyncio.sleep(0.001)
+                    state.append((-1.0 - self.weights, 100 + i, None))
+                done = i == tokens - 1
+                yield {"meta_info": {"output_token_logprobs": state, "finish_reason": {"type": "length"} if done else None}}
+            self.requests -= 1
+
+        return chunks()
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    io_struct = types.SimpleNamespace(
+        PauseGenerationReqInput=PauseGenerationReqInput, ContinueGenerationReqInput=ContinueGenerationReqInput,
+        UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
+    )
+    utils = types.SimpleNamespace(MultiprocessingSerializer=types.SimpleNamespace(serialize=pickle.dumps))
+    for name, module in {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
+                         "sglang.srt.managers": types.ModuleType("sglang.srt.managers"), "sglang.srt.managers.io_struct": io_struct,
+                         "sglang.srt.utils": utils}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine._attach(StandInSGLang, tokenizer=None, version=0)
+    yield engine
+    engine._loop.close()
+
+
+def publication(version: int, buckets: int = 2) -> list[WeightBucket]:
+    return [WeightBucket(version, i, i == buckets - 1, {f"w{i}": torch.full((2,), float(version)), "version_marker": torch.tensor(version)}) for i in range(buckets)]
+
+
+def test_an_update_mid_response_pauses_in_place_and_every_token_carries_the_version_that_sampled_it(standin):
+    sglang = standin.engine
+    result = []
+    rollout = threading.Thread(target=lambda: result.extend(standin.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=40))))
+    rollout.start()
+    deadline = time.monotonic() + 30
+    while sglang.requests < 4 and time.monotonic() < deadline:  # all four requests are decoding
+        time.sleep(0.001)
+    time.sleep(0.02)
+    standin.update_weights(publication(1))  # from the actor thread, while the rollout thread's requests decode
+    time.sleep(0.02)
+    standin.update_weights(publication(2))
+    rollout.join()
+    completions = [c for group in result for c in group]
+    assert len(completions) == 4
+    for c in completions:
+        produced_by = (-1.0 - c.rollout_logp).round().long()
+        assert torch.equal(c.versions, produced_by), (c.versions, produced_by)  # stamps are exact
+        assert c.response_ids.tolist() == list(range(100, 140)) and c.finish_reason == "length"
+    assert {int(v) for c in completions for v in c.versions} == {0, 1, 2}  # the responses spanned both updates
+    calls = [c for c in sglang.tokenizer_manager.calls if c[0] != "flush"]
+    assert calls == [("pause", "in_place"), ("update", ["w0", "version_marker"], False), ("update", ["w1", "version_marker"], False), ("continue",)] * 2
+    assert standin.version == 2
+
+
+def test_the_cache_is_flushed_before_the_next_generate_and_checksums_track_what_was_handed_over(standin):
+    standin.weight_checksums()  # turns the tracking on
+    standin.update_weights(publication(1, buckets=1))
+    assert standin.served.cache_stale
+    standin.generate([[1]], SamplingParams(n=1, max_new_tokens=3))
+    manager = standin.engine.tokenizer_manager
+    assert ("flush", 0) in manager.calls and not standin.served.cache_stale  # flushed with no request running
+    sums = standin.weight_checksums()
+    assert sums["w0"] == tensor_checksum(torch.full((2,), 1.0))
+
+
+def test_a_rejected_bucket_names_itself_and_generation_continues(standin):
+    manager = standin.engine.tokenizer_manager
+
+    async def refuse(obj, request):
+        return False, "dtype mismatch"
+
+    manager.update_weights_from_tensor = refuse
+    with pytest.raises(RuntimeError, match="rejected weight bucket 0 of version 1: dtype mismatch"):
+        standin.update_weights(publication(1))
+    assert standin.version == 0 and manager.calls[-1] == ("continue",)
+    done = standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))
+    assert done[0][0].versions.tolist() == [0, 0]
