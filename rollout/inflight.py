@@ -7,9 +7,13 @@ is only ever touched from that loop (SGLang's Engine is bound to the loop it was
 safe across threads; vLLM's AsyncLLM likewise runs its output handler on one loop).
 
 ``ServedWeights`` holds the version being served and orders weight loads: a load runs between two
-decoding steps (the engine's pause, the load, the version bump, its resume) under one lock, so two
-loads never interleave and a cache reset never runs during a load. The version changes only after
-the load has returned, and after output already delivered to this loop has been stamped.
+decoding steps (the engine's pause, the load, the engine's ``settle``, the version bump, its
+resume) under one lock, so two loads never interleave and a cache reset never runs during a load.
+The version changes only after the load has returned and the engine has delivered what it decoded
+before the pause (``settle``: vLLM delivers on the loop already; SGLang's tokens come through its
+detokenizer process, so it waits for them to stop arriving). A publication older than the one
+served is skipped, and a load that fails part way leaves the engine refusing to generate until a
+whole publication loads (its weights are a mix no version describes).
 
 ``TokenStream`` collects one request's streamed tokens and stamps each with the version served when
 it arrived, so a response that spans an update carries both versions, token by token.
@@ -90,6 +94,8 @@ class ServedWeights:
         """Whether the engine's prefix cache may hold KV computed with older weights."""
         self.loads = 0
         """Loads finished (tests and progress)."""
+        self.broken: str | None = None
+        """Why the served weights are not a publication (a load failed part way), or None."""
         self._lock: asyncio.Lock | None = None
 
     @property
@@ -100,23 +106,37 @@ class ServedWeights:
 
     async def swap(
         self, pause: Callable[[], Awaitable], load: Callable[[], Awaitable[int | None]], resume: Callable[[], Awaitable],
+        version: int | None = None, settle: Callable[[], Awaitable] | None = None,
     ) -> int:
         """Pause the engine between two decoding steps, ``load`` (returns the version it loaded, or
-        None to keep the served one), bump the version, resume; returns the served version. Loads
-        are serialized; resume runs whatever the load did. Output the engine delivered before the
-        pause is stamped with the old version first: one turn of the loop passes before the bump."""
+        None to keep the served one), ``settle``, bump the version, resume; returns the served
+        version. ``version``, when known before loading: a publication older than the served one
+        is skipped. Loads are serialized; resume runs whatever the load did; a load that raises
+        marks the engine ``broken`` until one succeeds. Without ``settle``, one turn of the loop
+        passes before the bump (output already queued on this loop is stamped first)."""
         async with self.lock:
+            if version is not None and version < self.version:
+                return self.version  # a newer publication is already served
             await pause()
             try:
-                version = await load()
-                await asyncio.sleep(0)
-                if version is not None:
-                    self.version = version
-                self.cache_stale = True
+                try:
+                    loaded = await load()
+                    await (settle() if settle is not None else asyncio.sleep(0))
+                except BaseException as err:
+                    self.broken = f"a weight load failed part way ({type(err).__name__}: {err})"
+                    raise
+                if loaded is not None:
+                    self.version = loaded
+                self.cache_stale, self.broken = True, None
                 self.loads += 1
             finally:
                 await resume()
         return self.version
+
+    def check(self) -> None:
+        """Raise if the served weights are not a whole publication (generation must not use them)."""
+        if self.broken is not None:
+            raise RuntimeError(f"this engine serves no whole publication: {self.broken}; it needs a full weight load (or a restart)")
 
     async def fresh_cache(self, reset: Callable[[], Awaitable[bool]]) -> None:
         """Before a new generate call: drop prefix-cache entries computed with older weights

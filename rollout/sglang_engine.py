@@ -5,21 +5,30 @@ extra pins that range) and exercised by tests marked ``gpu``; no GPU was availab
 written, so treat it as unverified until those tests have run. 0.5.21 made weight updates require a
 ``begin_weight_update``/``end_weight_update`` session, which this engine does not open yet.
 
-One loop, one thread. SGLang's Engine binds to the asyncio loop it is built on and drives it with
-``run_until_complete`` from every synchronous method, so calls from two threads (the rollout
-thread's generate, the actor thread's weight update) would race on it. The engine is built inside
-a coroutine on an ``EngineLoop`` (rollout/inflight.py) and only its tokenizer manager's coroutines
-are used, on that loop.
+One loop, one thread. SGLang's Engine drives an asyncio loop with ``run_until_complete`` from
+every synchronous method, so calls from two threads (the rollout thread's generate, the actor
+thread's weight update) would race on it. The engine is built in the constructing thread (its
+start-up installs signal handlers, which Python allows only there) and afterwards only its
+tokenizer manager's coroutines are used, all on one ``EngineLoop`` (rollout/inflight.py); the
+tokenizer manager binds its response loop to the first running loop that calls it, that one.
 
 Per-token versions. Every sample is one streamed request (``async_generate(stream=True)``); SGLang
-streams running totals (``output_token_logprobs`` holds every token so far unless
-``incremental_streaming_output`` is set, which this engine refuses), and each new token is stamped
-with the version served when it arrived (``TokenStream.extend_to``). A weight update pauses the
-scheduler in place (``pause_generation(mode="in_place")``: requests keep their KV cache and
-continue on it), loads the tensors (``update_weights_from_tensor``, which runs at once while paused),
-bumps the version and continues (``continue_generation``): the same in-flight guarantee as the vLLM
-engine, and the same prefix-cache rule (an in-place pause cannot flush with requests running, so the
-cache is flushed before the next generate call).
+0.5.9-0.5.20 streams running totals (``output_token_logprobs`` holds every token so far), and each
+new token is stamped with the version served when it arrived (``TokenStream.extend_to``). A weight
+update pauses the scheduler in place (``pause_generation(mode="in_place")``: requests keep their KV
+cache and continue on it), loads the tensors (``update_weights_from_tensor``, which runs at once
+while paused), waits until tokens decoded before the pause have arrived (they travel through
+SGLang's detokenizer process, the update's reply does not: ``SETTLE_QUIET_S``), bumps the version
+and continues (``continue_generation``). The prefix-cache rule is the vLLM engine's (an in-place
+pause cannot flush with requests running, so the cache is flushed before the next generate call).
+
+fp8: SGLang quantizes online fp8 weights at load, but ``update_weights_from_tensor`` only calls the
+model's ``load_weights`` and never re-runs that quantization, so fp8 rollout cannot take weight
+updates here; this engine refuses ``precision="fp8"`` (use the vllm engine, whose ``reload_weights``
+redoes it).
+
+Seeds: SGLang honours a request's ``sampling_seed`` only with ``enable_deterministic_inference``
+(pass it through ``rollout.engine_kwargs``); without it seeded runs draw differently.
 
 Log-probs: SGLang reports the log-probs of the distribution it sampled from (after temperature)
 unless RETURN_ORIGINAL_LOGPROB is set; this engine sets it to false so mu has the hf and vllm
@@ -47,45 +56,43 @@ from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, tensor_checksum
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 
+SETTLE_QUIET_S = 0.02
+"""After a load, the version is bumped once no token has arrived for this long (the scheduler is
+paused, so only tokens decoded before the pause are still on their way through the detokenizer)."""
+SETTLE_MAX_S = 2.0
+"""Give up waiting for quiet after this long (a stream that keeps delivering is a bug upstream)."""
+
 
 class SGLangEngine(Engine):
     def __init__(self, model_folder: str, precision: Precision = "bf16", version: int = 0, seed: int = 0, mem_fraction_static: float = 0.6, **engine_kwargs):
         os.environ["RETURN_ORIGINAL_LOGPROB"] = "false"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if precision == "fp8":
+            raise ValueError(
+                "the sglang engine cannot serve fp8 rollout with weight updates: SGLang's update_weights_from_tensor does not "
+                "re-quantize online fp8 weights; use rollout.engine=vllm for fp8"
+            )
         if not torch.cuda.is_available():
             raise RuntimeError("the sglang engine needs a CUDA GPU (SGLang has no CPU build); use the hf or vllm engine")
-        if engine_kwargs.get("incremental_streaming_output") or engine_kwargs.get("stream_output"):
-            raise ValueError("the sglang engine reads SGLang's cumulative streaming output; do not set incremental_streaming_output/stream_output")
+        import sglang
+        from transformers import AutoTokenizer
+
         kwargs = dict(
             model_path=str(model_folder), dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,
             mem_fraction_static=mem_fraction_static,
         )
-        if precision == "fp8":
-            kwargs["quantization"] = "fp8"  # weights quantized at load and at every update (SGLang's fp8 loader)
-        from transformers import AutoTokenizer
+        self._attach(sglang.Engine(**{**kwargs, **engine_kwargs}), AutoTokenizer.from_pretrained(model_folder), version)
 
-        def build():
-            import sglang
-
-            return sglang.Engine(**{**kwargs, **engine_kwargs})
-
-        self._attach(build, AutoTokenizer.from_pretrained(model_folder), version)
-
-    def _attach(self, build, tokenizer, version: int) -> None:
-        """Start the engine loop and ``build()`` the SGLang engine inside a coroutine on it, so the
-        engine takes that running loop as its own (tests attach a stand-in the same way)."""
+    def _attach(self, engine, tokenizer, version: int) -> None:
+        """Serve ``engine`` (an sglang.Engine, or a stand-in in tests) from a new engine loop."""
         self.served = ServedWeights(version)
         self._ids = itertools.count()
         self._sums: dict[str, str] | None = None
         self.tokens_received = 0
         """Response tokens streamed back so far, over all requests (progress; tests use it)."""
         self.tokenizer = tokenizer
+        self.engine = engine
         self._loop = EngineLoop("sglang-engine-loop")
-
-        async def inside():
-            return build()
-
-        self.engine = self._loop.run(inside())
 
     @property
     def version(self) -> int:
@@ -103,6 +110,7 @@ class SGLangEngine(Engine):
     async def _generate(self, rows: list[list[int]], params: SamplingParams, seeds: list[int] | None) -> list[Completion]:
         import asyncio
 
+        self.served.check()
         await self.served.fresh_cache(self._flush_cache)
         tasks = [asyncio.ensure_future(self._sample(row, sglang_sampling(params, seeds and seeds[i]), params.topk_logprobs)) for i, row in enumerate(rows)]
         try:
@@ -131,7 +139,8 @@ class SGLangEngine(Engine):
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
         """Load an object-store publication: every bucket under one in-place pause (the version
         changes once, after the last)."""
-        self._loop.run(self._swap(lambda: self._load_all(list(buckets))))
+        buckets = list(buckets)
+        self._loop.run(self._swap(lambda: self._load_all(buckets), buckets[-1].version if buckets else None))
 
     def receive_weights(self) -> int:
         """Receive a broadcast publication bucket by bucket into this GPU and load each as it
@@ -149,7 +158,7 @@ class SGLangEngine(Engine):
 
         return self._loop.run(self._swap(load))
 
-    async def _swap(self, load) -> int:
+    async def _swap(self, load, version: int | None = None) -> int:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
         manager = self.engine.tokenizer_manager
@@ -160,7 +169,19 @@ class SGLangEngine(Engine):
         async def resume():
             await manager.continue_generation(ContinueGenerationReqInput())
 
-        return await self.served.swap(pause, load, resume)
+        return await self.served.swap(pause, load, resume, version, settle=self._settle)
+
+    async def _settle(self) -> None:
+        """Wait until tokens stop arriving (SETTLE_QUIET_S without one, at most SETTLE_MAX_S)."""
+        import asyncio
+
+        waited = 0.0
+        while waited < SETTLE_MAX_S:
+            seen = self.tokens_received
+            await asyncio.sleep(SETTLE_QUIET_S)
+            waited += SETTLE_QUIET_S
+            if self.tokens_received == seen:
+                return
 
     async def _load_all(self, buckets: list[WeightBucket]) -> int | None:
         for bucket in buckets:

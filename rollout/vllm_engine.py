@@ -26,11 +26,14 @@ reuse a sibling's old-weight prompt KV, as the running ones keep theirs.
 
 Tensors do not survive vLLM's RPC (AsyncLLM msgpack-encodes a tensor argument into buffers the
 engine core does not rebuild, then fails to pickle them for its workers: "cannot pickle memoryview
-objects"), but bytes do. So an object-store publication travels bucket by bucket as safetensors
-bytes in memory (``collective_rpc("drpo_stage", ...)``, no file), staged in vLLM's worker while
-generation goes on; only the load of the whole publication pauses the engine. With
-``learner.weight_sync: broadcast`` (the cluster preset) the worker extension joins the learner's
-group and receives the buckets itself (NCCL on GPU, gloo on CPU; learner/broadcast.py).
+objects"). So an object-store publication is written, in this actor's thread while generation
+goes on, as one safetensors file in a private folder under /dev/shm (memory, not disk; a disk
+folder when /dev/shm is too small), which vLLM's worker reads during the pause. Passing the
+publication as bytes through ``collective_rpc`` instead was measured 2x slower here, and the engine
+core runs every RPC inside its busy loop, so decoding would stall for the transfer too. With
+``learner.weight_sync: broadcast`` (the cluster preset) there is no file: the worker extension
+joins the learner's group and receives the buckets itself (NCCL on GPU, gloo on CPU;
+learner/broadcast.py).
 
 fp8: on GPU ``quantization="fp8"``; vLLM's CPU build has no fp8 kernels, so on CPU the weights are
 fake-quantized through float8_e4m3 and loaded the same way (rollout/engine.py).
@@ -41,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 from typing import Iterable
 
 import torch
@@ -51,6 +56,8 @@ from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
+STAGING_DIR = "/dev/shm"
+"""Where an object-store publication is staged for vLLM's worker: memory-backed where the host has it."""
 CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
@@ -58,20 +65,10 @@ CPU_KV_CACHE_GIB = 1.0
 class DrpoWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); called through collective_rpc."""
 
-    def drpo_stage(self, load_id: int, payload: bytes) -> int:
-        """Keep one bucket (safetensors bytes) of load ``load_id`` until ``drpo_load_staged`` (loads
-        may overlap: each stages apart); returns how many tensors that load has staged."""
-        from safetensors.torch import load
+    def drpo_load_weights_file(self, path: str) -> int:
+        from safetensors.torch import load_file
 
-        staged = self.__dict__.setdefault("_drpo_staged", {}).setdefault(load_id, {})
-        staged.update(load(payload))
-        return len(staged)
-
-    def drpo_load_staged(self, load_id: int) -> int:
-        """Load every tensor staged for ``load_id`` in place and drop its staging."""
-        weights = self.__dict__.setdefault("_drpo_staged", {}).pop(load_id, None)
-        if not weights:
-            raise RuntimeError(f"no weights were staged in this vLLM worker for load {load_id}")
+        weights = load_file(path)
         self._drpo_load(weights)
         return len(weights)
 
@@ -142,6 +139,8 @@ class VLLMEngine(Engine):
         if kv_cache_gib is not None or not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
         self.served = ServedWeights(version)
+        self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-", dir=STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
+        self._disk_tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
         self._ids = itertools.count()
         self.tokens_received = 0
         """Response tokens streamed back so far, over all requests (progress; tests use it)."""
@@ -179,6 +178,7 @@ class VLLMEngine(Engine):
         return [completions[j * params.n : (j + 1) * params.n] for j in range(len(prompts))]
 
     async def _generate(self, rows: list[list[int]], params: SamplingParams, seeds: list[int] | None) -> list[Completion]:
+        self.served.check()
         await self.served.fresh_cache(self.llm.reset_prefix_cache)
         tasks = [asyncio.ensure_future(self._sample(row, self._sampling(params, seeds and seeds[i]), params.topk_logprobs)) for i, row in enumerate(rows)]
         try:
@@ -236,35 +236,35 @@ class VLLMEngine(Engine):
     # ---- weights ------------------------------------------------------------------------------------
 
     def update_weights(self, buckets: Iterable[WeightBucket]) -> None:
-        """Stage each bucket in vLLM's worker as it comes (generation goes on), then load the
-        publication between two decoding steps; the version changes before generation resumes."""
-        load_id = next(self._ids)  # updates may overlap (threaded actors): each stages apart
+        staged: dict[str, torch.Tensor] = {}  # per call: updates may overlap (threaded actors)
         for bucket in buckets:
-            self._stage(load_id, bucket.tensors)
+            staged.update(bucket.tensors)
             if bucket.last:
-                self._run(self._swap(load_id, bucket.version))
+                self._load(staged, bucket.version)
 
-    def _stage(self, load_id: int, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save
+    def _load(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Load ``tensors`` into every vLLM worker between two decoding steps; the served version
+        changes before generation resumes. The file is written before the pause."""
+        from safetensors.torch import save_file
 
-        payload = save({k: v.contiguous() for k, v in tensors.items()})
-        self._run(self.llm.collective_rpc("drpo_stage", args=(load_id, payload)))
-
-    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load ``tensors`` (a whole state or part of one) now, keeping the served version."""
-        load_id = next(self._ids)
-        self._stage(load_id, tensors)
-        self._run(self._swap(load_id, None))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        folder = self._tmp if shutil.disk_usage(self._tmp).free > 2 * nbytes else self._disk_tmp
+        path = os.path.join(folder, f"update-{next(self._ids)}.safetensors")  # one file per load: loads may overlap
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+        try:
+            self._run(self._swap(path, version))
+        finally:
+            os.remove(path)
 
     async def _pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)
 
-    async def _swap(self, load_id: int, version: int | None) -> None:
+    async def _swap(self, path: str, version: int | None) -> None:
         async def load():
-            await self.llm.collective_rpc("drpo_load_staged", args=(load_id,))
+            await self.llm.collective_rpc("drpo_load_weights_file", args=(path,))
             return version
 
-        await self.served.swap(self._pause, load, self.llm.resume_generation)
+        await self.served.swap(self._pause, load, self.llm.resume_generation, version)
 
     def weight_checksums(self) -> dict[str, str]:
         """What vLLM's worker loaded by publication since the first call (HF names, as received: vLLM
@@ -289,8 +289,10 @@ class VLLMEngine(Engine):
         return await self.served.swap(self._pause, load, self.llm.resume_generation)
 
     def close(self) -> None:
-        """Stop vLLM's engine-core process and the loop (call it when no ``generate`` is running:
-        one in flight would wait for a loop that has stopped)."""
+        """Stop vLLM's engine-core process and the loop, and remove the staging folders (call it
+        when no ``generate`` is running: one in flight would wait for a loop that has stopped)."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        shutil.rmtree(self._disk_tmp, ignore_errors=True)
         try:
             self.llm.shutdown()
         finally:

@@ -82,7 +82,7 @@ def test_a_response_spanning_an_update_is_stamped_token_by_token_with_the_weight
     assert stream.ids == list(range(60))  # nothing dropped or repeated across the pauses
 
 
-def test_loads_never_interleave_and_a_failed_load_resumes_with_the_old_version():
+def test_loads_never_interleave_a_failed_load_leaves_the_engine_unusable_and_old_publications_are_skipped():
     async def main():
         engine, served = SteppingEngine(), ServedWeights(3)
         await asyncio.gather(*(served.swap(engine.pause, lambda v=v: engine.load(v), engine.resume) for v in (4, 5)))
@@ -95,8 +95,15 @@ def test_loads_never_interleave_and_a_failed_load_resumes_with_the_old_version()
         with pytest.raises(RuntimeError, match="rejected"):
             await served.swap(engine.pause, broken, engine.resume)
         assert served.version == 5 and engine.events[-1] == "resume" and engine.running.is_set()
-        # a load that reports no version keeps the served one
+        with pytest.raises(RuntimeError, match="serves no whole publication.*rejected"):  # what it serves now is unknown
+            served.check()
+        # a load that reports no version keeps the served one, and a whole load makes it usable again
         assert await served.swap(engine.pause, lambda: asyncio.sleep(0), engine.resume) == 5
+        served.check()
+        # a publication older than the one served is skipped without pausing
+        events = len(engine.events)
+        assert await served.swap(engine.pause, lambda: engine.load(4), engine.resume, version=4) == 5
+        assert len(engine.events) == events
 
     asyncio.run(main())
 

@@ -85,8 +85,10 @@ class UpdateWeightsFromTensorReqInput:
 
 
 class StandInManager:
-    """SGLang's tokenizer manager, as far as the engine uses it: a paused scheduler takes updates at
-    once; in-place pausing keeps requests; a flush fails while requests run."""
+    """SGLang's tokenizer manager, as far as the engine uses it: pausing is a message to the
+    scheduler (it returns at once; a step in progress still finishes), a paused scheduler takes
+    updates at once and answers quicker than tokens travel through the detokenizer, a flush fails
+    while requests run."""
 
     def __init__(self, owner: "StandInSGLang"):
         self.owner, self.calls = owner, []
@@ -94,20 +96,21 @@ class StandInManager:
     async def pause_generation(self, obj):
         self.calls.append(("pause", obj.mode))
         self.owner.running.clear()
-        async with self.owner.stepping:  # the decoding step in progress finishes
-            pass
 
     async def continue_generation(self, obj):
         self.calls.append(("continue",))
         self.owner.running.set()
 
     async def update_weights_from_tensor(self, obj, request):
-        assert not self.owner.running.is_set(), "an update landed while the scheduler was decoding"
         assert len(obj.serialized_named_tensors) == self.owner.server_args.tp_size  # one payload per TP rank
         named = pickle.loads(obj.serialized_named_tensors[0])
         self.calls.append(("update", [n for n, _ in named], obj.flush_cache))
-        await asyncio.sleep(0.005)
-        self.owner.weights = int(dict(named).get("version_marker", torch.tensor(self.owner.weights)).item())
+        if self.owner.refuse is not None and self.owner.refuse(named):
+            return False, "dtype mismatch"
+        await asyncio.sleep(UPDATE_S)
+        marker = dict(named).get("version_marker")
+        if marker is not None:
+            self.owner.weights = int(marker.item())
         return True, "Succeeded to update model weights."
 
     async def flush_cache(self):
@@ -115,32 +118,46 @@ class StandInManager:
         return types.SimpleNamespace(success=self.owner.requests == 0)
 
 
+UPDATE_S = 0.001
+"""The stand-in's update answers this fast..."""
+DETOKENIZER_S = 0.01
+"""...while a decoded token reaches the tokenizer manager this much later (through the detokenizer)."""
+
+
 class StandInSGLang:
     """Streams every request's running totals by reference (SGLang hands out its growing state lists);
-    each token's log-prob encodes the weights that produced it (-1 - weights)."""
+    each token's log-prob encodes the weights its decoding step used (-1 - weights)."""
 
     def __init__(self):
         self.server_args = types.SimpleNamespace(tp_size=2)
         self.tokenizer_manager = StandInManager(self)
-        self.weights, self.requests = 0, 0
-        self.running, self.stepping = asyncio.Event(), asyncio.Lock()
+        self.weights, self.requests, self.refuse = 0, 0, None
+        self.running = asyncio.Event()
         self.running.set()
-        self.thread = threading.current_thread().name
+        self.threads: set[str] = set()
 
     async def async_generate(self, input_ids, sampling_params, return_logprob, top_logprobs_num, stream, rid):
-        assert stream and return_logprob and threading.current_thread().name == self.thread  # one loop, one thread
-        tokens = sampling_params["max_new_tokens"]
+        assert stream and return_logprob
+        self.threads.add(threading.current_thread().name)
+        tokens, loop = sampling_params["max_new_tokens"], asyncio.get_running_loop()
 
         async def chunks():
             self.requests += 1
-            state = []  # SGLang's per-request list, extended in place and handed out by reference
-            for i in range(tokens):
-                await self.running.wait()
-                async with self.stepping:
+            state, arrived = [], asyncio.Queue()  # SGLang's per-request list, extended in place, handed out by reference
+
+            async def scheduler():
+                for i in range(tokens):
+                    await self.running.wait()
+                    weights = self.weights  # the step runs with the weights loaded when it starts
                     await asyncio.sleep(0.001)
-                    state.append((-1.0 - self.weights, 100 + i, None))
+                    loop.call_later(DETOKENIZER_S, arrived.put_nowait, (-1.0 - weights, 100 + i, None))
+
+            decoding = asyncio.ensure_future(scheduler())
+            for i in range(tokens):
+                state.append(await arrived.get())
                 done = i == tokens - 1
                 yield {"meta_info": {"output_token_logprobs": state, "finish_reason": {"type": "length"} if done else None}}
+            await decoding
             self.requests -= 1
 
         return chunks()
@@ -158,7 +175,7 @@ def standin(monkeypatch):
                          "sglang.srt.utils": utils}.items():
         monkeypatch.setitem(sys.modules, name, module)
     engine = SGLangEngine.__new__(SGLangEngine)
-    engine._attach(StandInSGLang, tokenizer=None, version=0)
+    engine._attach(StandInSGLang(), tokenizer=None, version=0)
     yield engine
     engine._loop.close()
 
@@ -167,29 +184,33 @@ def publication(version: int, buckets: int = 2) -> list[WeightBucket]:
     return [WeightBucket(version, i, i == buckets - 1, {f"w{i}": torch.full((2,), float(version)), "version_marker": torch.tensor(version)}) for i in range(buckets)]
 
 
+def wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def test_an_update_mid_response_pauses_in_place_and_every_token_carries_the_version_that_sampled_it(standin):
     sglang = standin.engine
     result = []
     rollout = threading.Thread(target=lambda: result.extend(standin.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=40))))
     rollout.start()
-    deadline = time.monotonic() + 30
-    while sglang.requests < 4 and time.monotonic() < deadline:  # all four requests are decoding
-        time.sleep(0.001)
-    time.sleep(0.02)
-    standin.update_weights(publication(1))  # from the actor thread, while the rollout thread's requests decode
-    time.sleep(0.02)
+    wait_for(lambda: standin.tokens_received >= 20)
+    standin.update_weights(publication(1))  # from this (the actor's) thread while the rollout thread's requests decode
+    wait_for(lambda: standin.tokens_received >= 80)
     standin.update_weights(publication(2))
     rollout.join()
     completions = [c for group in result for c in group]
     assert len(completions) == 4
     for c in completions:
         produced_by = (-1.0 - c.rollout_logp).round().long()
-        assert torch.equal(c.versions, produced_by), (c.versions, produced_by)  # stamps are exact
+        assert torch.equal(c.versions, produced_by), (c.versions, produced_by)  # exact, although tokens arrive after the update's reply
         assert c.response_ids.tolist() == list(range(100, 140)) and c.finish_reason == "length"
     assert {int(v) for c in completions for v in c.versions} == {0, 1, 2}  # the responses spanned both updates
     calls = [c for c in sglang.tokenizer_manager.calls if c[0] != "flush"]
     assert calls == [("pause", "in_place"), ("update", ["w0", "version_marker"], False), ("update", ["w1", "version_marker"], False), ("continue",)] * 2
-    assert standin.version == 2
+    assert standin.version == 2 and sglang.threads == {"sglang-engine-loop"}  # one loop, one thread
 
 
 def test_the_cache_is_flushed_before_the_next_generate_and_checksums_track_what_was_handed_over(standin):
@@ -199,19 +220,24 @@ def test_the_cache_is_flushed_before_the_next_generate_and_checksums_track_what_
     standin.generate([[1]], SamplingParams(n=1, max_new_tokens=3))
     manager = standin.engine.tokenizer_manager
     assert ("flush", 0) in manager.calls and not standin.served.cache_stale  # flushed with no request running
-    sums = standin.weight_checksums()
-    assert sums["w0"] == tensor_checksum(torch.full((2,), 1.0))
+    assert standin.weight_checksums()["w0"] == tensor_checksum(torch.full((2,), 1.0))
 
 
-def test_a_rejected_bucket_names_itself_and_generation_continues(standin):
-    manager = standin.engine.tokenizer_manager
+def test_an_older_publication_is_skipped(standin):
+    standin.update_weights(publication(3, buckets=1))
+    calls = len(standin.engine.tokenizer_manager.calls)
+    standin.update_weights(publication(2, buckets=1))
+    assert standin.version == 3 and len(standin.engine.tokenizer_manager.calls) == calls
 
-    async def refuse(obj, request):
-        return False, "dtype mismatch"
 
-    manager.update_weights_from_tensor = refuse
-    with pytest.raises(RuntimeError, match="rejected weight bucket 0 of version 1: dtype mismatch"):
+def test_a_bucket_rejected_part_way_names_itself_and_generation_waits_for_a_whole_publication(standin):
+    sglang = standin.engine
+    sglang.refuse = lambda named: "w1" in dict(named)  # bucket 0 loads, bucket 1 is refused
+    with pytest.raises(RuntimeError, match="rejected weight bucket 1 of version 1: dtype mismatch"):
         standin.update_weights(publication(1))
-    assert standin.version == 0 and manager.calls[-1] == ("continue",)
-    done = standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))
-    assert done[0][0].versions.tolist() == [0, 0]
+    assert standin.version == 0 and sglang.tokenizer_manager.calls[-1] == ("continue",)  # generation was resumed
+    with pytest.raises(RuntimeError, match="serves no whole publication"):  # half of version 1 is loaded: no version describes it
+        standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))
+    sglang.refuse = None
+    standin.update_weights(publication(1))
+    assert standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))[0][0].versions.tolist() == [1, 1]

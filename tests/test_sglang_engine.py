@@ -33,16 +33,19 @@ def test_sglang_mu_matches_transformers_and_weight_updates_apply(smollm2_folder,
 
 def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2_folder, reference):
     """The update lands between decoding steps (in-place pause): each response holds old-version
-    tokens then new-version ones, with nothing dropped; fp8 rollout serves and takes the update."""
+    tokens then new-version ones, with nothing dropped; the old-version tokens' mu matches the old
+    weights in transformers (each stamp is the version that sampled the token)."""
     pytest.importorskip("sglang")
     import threading
     import time
 
-    import torch
 
     from rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(str(smollm2_folder), precision="fp8")
+    from rollout.engine import Completion
+    from tests.engine_checks import recompute_logp
+
+    engine = SGLangEngine(str(smollm2_folder), precision="fp32")
     try:
         state = {k: v * 1.01 for k, v in reference.state_dict().items() if k.endswith("mlp.up_proj.weight")}
         prompt = [engine.chat_prompt("Write a long story about a dragon.")]
@@ -56,10 +59,10 @@ def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2
         thread.join(timeout=300)
         for c in result["group"]:
             v = c.versions.tolist()
-            assert torch.isfinite(c.rollout_logp).all()
-            if c.finish_reason == "length":
-                assert len(v) == 256
             assert v == sorted(v) and v[0] == 0, v
+            split = v.index(1) if 1 in v else len(v)
+            head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length")
+            assert (c.rollout_logp[:split] - recompute_logp(reference, head, 1.0)).abs().max().item() <= 1e-2
         assert any(1 in c.versions.tolist() for c in result["group"]), "the update did not land mid-response"
     finally:
         engine.close()
