@@ -9,13 +9,14 @@ from pathlib import Path
 
 import objectives
 from controller.artifacts import export_run
-from controller.config import ArithmeticTask, ConfigError, RunConfig, dump
+from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
 from controller.run_folder import check_shared, prepare
 from controller.stop import StopRequest
 from controller.telemetry import Telemetry
 from rollout.tasks import Problem, arithmetic_split, load_dataset
+from rollout.word_problems import word_problem_split
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,30 @@ class RunResult:
     """The step its newest checkpoint holds (where ``--resume`` continues; 0: from the start)."""
 
 
-def problems(cfg: RunConfig) -> tuple[list[Problem], list[Problem], dict[str, list]]:
-    """Training and held-out problems, and the rows skipped per dataset file ((row, reason) lists)."""
-    task = cfg.task
+def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], dict[str, list]]:
+    """Training problems, the eval sets by name (``cfg.eval_set_names()`` order: the task's, then
+    ``eval.sets``), and the rows skipped per dataset file ((row, reason) lists)."""
+    task, evals, reports = cfg.task, {}, {}
     if isinstance(task, ArithmeticTask):
-        return (
-            arithmetic_split("train", task.train_size, task.seed, task.max_operand),
-            arithmetic_split("test", task.test_size, task.seed, task.max_operand),
-            {},
-        )
-    train = load_dataset(task.train_path, task.max_prompt_chars)
-    test = load_dataset(task.test_path, task.max_prompt_chars) if task.test_path else None
-    skipped = {task.train_path: train.skipped, **({task.test_path: test.skipped} if test else {})}
-    return train.problems, test.problems if test else [], {k: v for k, v in skipped.items() if v}
+        train = arithmetic_split("train", task.train_size, task.seed, task.max_operand)
+        for name in task.eval_set_names():
+            size = task.test_size if name == "heldout" else task.extra_eval_size
+            evals[name] = arithmetic_split(name, size, task.seed, task.max_operand)
+    elif isinstance(task, WordProblemTask):
+        train = word_problem_split("train", task.train_size, task.level, task.seed, task.test_size)
+        evals["heldout"] = word_problem_split("test", task.test_size, task.level, task.seed)
+        for level in task.eval_levels:
+            evals[f"level-{level}"] = word_problem_split("test", task.test_size, level, task.seed)
+    else:
+        reports[task.train_path] = load_dataset(task.train_path, task.max_prompt_chars, task.format, task.instruction)
+        train = reports[task.train_path].problems
+        if task.test_path:
+            reports[task.test_path] = load_dataset(task.test_path, task.max_prompt_chars, task.format, task.instruction)
+            evals["heldout"] = reports[task.test_path].problems
+    for extra in cfg.eval.sets:
+        reports[extra.path] = report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+        evals[extra.name] = report.problems[: extra.limit]
+    return train, evals, {path: r.skipped for path, r in reports.items() if r.skipped}
 
 
 def check_layout(cfg: RunConfig) -> None:
@@ -84,7 +96,7 @@ def train(
     if cfg.simulation is None and backend is None:
         check_layout(cfg)  # before the run folder is touched
     checkpoint = prepare(cfg, resume, overwrite)
-    train_set, test_set, skipped = problems(cfg)
+    train_set, eval_sets, skipped = problems(cfg)
     loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))
     try:
         backend = backend or make_backend(cfg)
@@ -103,7 +115,7 @@ def train(
         print(f"drpo train: Prometheus metrics on http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics", file=sys.stderr)
     try:
         check_shared(run_dir, lambda nonce: backend.probe_storage(str(run_dir.resolve()), nonce))
-        ctl = Controller(cfg, backend, train_set, test_set, telemetry, stop)
+        ctl = Controller(cfg, backend, train_set, eval_sets, telemetry, stop)
         if checkpoint is not None:
             ctl.restore(checkpoint)
         ctl.run()

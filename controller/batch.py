@@ -41,9 +41,9 @@ class BatchBuilder:
     def rejects(self, group: Group) -> str | None:
         """Why a finished (not failed) group is not trained on, or None: with zero-variance
         filtering, a group whose rewards are all equal has zero advantage everywhere."""
-        scores = group.scores
-        if self.advantages.filter_zero_variance and max(scores) == min(scores):
-            return f"all rewards {scores[0]:g}"
+        rewards = group.rewards
+        if self.advantages.filter_zero_variance and max(rewards) == min(rewards):
+            return f"all rewards {rewards[0]:g}"
         return None
 
     def build(self, groups: list[Group], version: int) -> Batch:
@@ -51,7 +51,7 @@ class BatchBuilder:
         sizes = {len(g.samples) for g in groups}
         if len(sizes) != 1 or 0 in sizes:
             raise ValueError(f"groups must all hold the same non-zero number of samples, got sizes {sorted(sizes)}")
-        rewards = torch.tensor([g.scores for g in groups], dtype=torch.float32)
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         seq_adv = compute_advantages(rewards, self.advantages).flatten()
         completions = [s.completion for g in groups for s in g.samples]
         rows = completion_batch(completions, self.pad_id)

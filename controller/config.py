@@ -30,25 +30,73 @@ class ModelConfig(_Config):
 
 
 class ArithmeticTask(_Config):
-    """The synthetic single-digit word-problem task (rollout/tasks.py), with a disjoint held-out split."""
+    """The synthetic single-step word-problem task (rollout/tasks.py). A seeded quarter of the
+    (a, op, b) facts never occurs in training; its eval sets: ``heldout`` (those facts, training
+    wordings), ``wording`` (those facts, wordings never trained on), ``range`` (larger operands)."""
 
     type: Literal["arithmetic"] = "arithmetic"
     train_size: int = Field(2048, ge=1, description="Training prompts per epoch.")
-    test_size: int = Field(128, ge=1, description="Held-out prompts for evaluation.")
-    max_operand: int = Field(9, ge=2, description="Largest operand.")
-    seed: int = Field(0, description="Seed of the problem generator (train and test use disjoint streams).")
+    test_size: int = Field(128, ge=1, description="Prompts of the heldout eval set.")
+    extra_eval_size: int = Field(64, ge=0, description="Prompts of each of the wording and range eval sets (0 = heldout only).")
+    max_operand: int = Field(9, ge=2, description="Largest operand in training.")
+    seed: int = Field(0, description="Seed of the problem generator (train and eval sets use disjoint streams).")
+
+    def eval_set_names(self) -> list[str]:
+        return ["heldout", "wording", "range"] if self.extra_eval_size else ["heldout"]
+
+
+class WordProblemTask(_Config):
+    """Generated multi-step word problems (rollout/word_problems.py): reason, then answer after
+    "The answer is". Training skips every problem whose text or chain is in the heldout set."""
+
+    type: Literal["word_problems"] = "word_problems"
+    level: int = Field(2, ge=1, le=5, description="Difficulty (steps, operations, number sizes; rollout/word_problems.py LEVELS).")
+    train_size: int = Field(2048, ge=1, description="Training prompts per epoch.")
+    test_size: int = Field(128, ge=1, description="Prompts of the heldout eval set.")
+    eval_levels: list[Annotated[int, Field(ge=1, le=5)]] = Field(
+        default_factory=list, description="Other levels evaluated too, as eval sets level-N (test_size prompts each)."
+    )
+    seed: int = Field(0, description="Seed of the problem generator.")
+
+    def eval_set_names(self) -> list[str]:
+        return ["heldout"] + [f"level-{n}" for n in self.eval_levels]
+
+
+DatasetFormat = Literal["auto", "dapo", "gsm8k", "math", "aime"]
 
 
 class DatasetTask(_Config):
-    """A DAPO-Math-style jsonl or parquet dataset (prompt + ground truth per row; bad rows skipped and reported)."""
+    """A math dataset (jsonl or parquet) in DAPO-Math, GSM8K, MATH or AIME rows (rollout/tasks.py);
+    bad rows skipped and reported."""
 
     type: Literal["dataset"] = "dataset"
     train_path: str = Field(description="Training rows (.jsonl or .parquet).")
-    test_path: str | None = Field(None, description="Held-out rows; None disables evaluation.")
+    test_path: str | None = Field(None, description="Rows of the heldout eval set; None: no task eval set.")
+    format: DatasetFormat = Field(
+        "auto", description="Row format: gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}), "
+        "aime (problem, integer answer), dapo (prompt, reward_model.ground_truth); auto: detected per row.",
+    )
+    instruction: str | None = Field(
+        None, description="Appended to every prompt; None: the format's default (gsm8k: think step by step, answer after "
+        "'####'; math/aime: reason step by step, answer in \\boxed{}; dapo: none); '' for none.",
+    )
     max_prompt_chars: int = Field(8192, ge=1, description="Rows with longer prompts are skipped.")
 
+    def eval_set_names(self) -> list[str]:
+        return ["heldout"] if self.test_path else []
 
-TaskConfig = Annotated[Union[ArithmeticTask, DatasetTask], Field(discriminator="type")]
+
+TaskConfig = Annotated[Union[ArithmeticTask, WordProblemTask, DatasetTask], Field(discriminator="type")]
+
+
+class EvalSetFile(_Config):
+    """One more eval set from a dataset file (the same row formats as task.type=dataset)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Its name in metrics (eval/<name>/...).")
+    path: str = Field(description="Rows (.jsonl or .parquet).")
+    format: DatasetFormat = Field("auto", description="Row format (see task.format).")
+    instruction: str | None = Field(None, description="Appended to every prompt; None: the format's default.")
+    limit: int | None = Field(None, ge=1, description="Use only the first this many usable rows.")
 
 
 class ChaosConfig(_Config):
@@ -71,6 +119,23 @@ class ChaosConfig(_Config):
     seed: int = Field(0, description="Seed of the injected faults.")
 
 
+class ScoringConfig(_Config):
+    """How a response is scored beyond the reward function (rollout/answers.py, rollout/rewards.py)."""
+
+    require_marker: bool = Field(
+        False, description="Only an answer after a final-answer marker (####, 'The answer is', \\boxed{}) counts: no last-number fallback.",
+    )
+    verify_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="math_verify: seconds per comparison; past it the sample scores 0 (reason timeout).")
+    overlong_penalty: float = Field(
+        0.0, ge=0.0, le=10.0, description="Over-long shaping: subtracted from the trained reward of a response cut at max_new_tokens "
+        "(it never reached an answer's end); correctness and accuracy are unchanged. 0 = off.",
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO's soft over-long punishment: the penalty ramps up linearly over the last this many tokens "
+        "before max_new_tokens (0: truncated responses only, in full).",
+    )
+
+
 class RolloutConfig(_Config):
     """Rollout workers: one engine each."""
 
@@ -87,7 +152,11 @@ class RolloutConfig(_Config):
     max_batch_prompts: int = Field(
         8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
     )
-    reward: Literal["literal", "math_verify"] = Field("literal", description="Reward function.")
+    reward: Literal["literal", "math_verify"] = Field(
+        "literal", description="literal: the answer must be a number equal to the ground truth; math_verify: math-verify "
+        "equivalence (closed forms like \\frac{1}{2} or 2\\sqrt{2} count; computations such as 7*27 are refused).",
+    )
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="Answer marker, verifier time bound, over-long shaping.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
     kv_cache_gib: float | None = Field(
@@ -99,6 +168,14 @@ class RolloutConfig(_Config):
         None, min_length=1, description="Ray custom resource a node must declare to host rollout workers (each worker's bundle "
         "requests ROLE_RESOURCE_SHARE of it), e.g. rollout_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
     )
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> "RolloutConfig":
+        if self.scoring.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"rollout.scoring.overlong_buffer={self.scoring.overlong_buffer} must be below rollout.max_new_tokens={self.max_new_tokens}"
+            )
+        return self
 
 
 class LearnerResources(_Config):
@@ -157,11 +234,19 @@ class TrainConfig(_Config):
 
 
 class EvalConfig(_Config):
-    every: int = Field(10, ge=0, description="Evaluate on the held-out split every this many steps (0 = only at start and end).")
-    samples_per_prompt: int = Field(1, ge=1, description="Samples per held-out prompt; accuracy is their mean.")
+    """Every evaluation covers the task's eval sets and ``sets``: per set mean@k and pass@k over
+    ``samples_per_prompt`` sampled responses per prompt, greedy accuracy when ``greedy``, response
+    lengths, the truncation rate and the share of answers given after a final-answer marker."""
+
+    every: int = Field(10, ge=0, description="Evaluate every this many steps (0 = only at start and end).")
+    samples_per_prompt: int = Field(1, ge=1, description="k: sampled responses per eval prompt (mean@k is their mean accuracy).")
+    pass_k: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1], description="Report pass@k for each of these k (each <= samples_per_prompt; unbiased estimator).",
+    )
+    greedy: bool = Field(False, description="Also decode every eval prompt once greedily (most likely token), reported as greedy accuracy.")
+    sets: list[EvalSetFile] = Field(default_factory=list, description="More eval sets from dataset files, beside the task's own.")
     at_start: bool = Field(True, description="Evaluate the initial policy before training.")
     temperature: float | None = Field(None, gt=0.0, description="Sampling temperature of evaluation; None = rollout.temperature.")
-    greedy: bool = Field(False, description="Greedy decoding (the most likely token), e.g. for pass@1 without sampling noise.")
     concurrent: bool = Field(
         True,
         description="True: an evaluation runs on rollout capacity while the learner keeps training (workers generate training "
@@ -258,6 +343,11 @@ class RunConfig(_Config):
                 "learner.weight_sync=broadcast joins one process per engine to the group; engines with "
                 "rollout.engine_kwargs.tensor_parallel_size > 1 need object_store for now"
             )
+        if self.rollout.engine == "sglang" and self.rollout.precision == "fp8":
+            raise ValueError(
+                "rollout.precision=fp8 with rollout.engine=sglang cannot take weight updates: SGLang's update_weights_from_tensor "
+                "does not re-quantize online fp8 weights; use rollout.engine=vllm for fp8 rollout"
+            )
         if self.learner.routing_replay and self.rollout.engine == "sglang":
             raise ValueError(
                 "learner.routing_replay needs the engine's routing; rollout.engine='sglang' does not record it "
@@ -265,7 +355,17 @@ class RunConfig(_Config):
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")
+        too_big = [k for k in self.eval.pass_k if k > self.eval.samples_per_prompt]
+        if too_big:
+            raise ValueError(f"eval.pass_k {too_big} exceed eval.samples_per_prompt={self.eval.samples_per_prompt} (pass@k needs k samples)")
+        names = self.eval_set_names()
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval set names must be unique, got {names} (eval.sets names beside the task's own)")
         return self
+
+    def eval_set_names(self) -> list[str]:
+        """Every eval set of the run, the task's first (the first is the one ``accuracy`` reports)."""
+        return self.task.eval_set_names() + [s.name for s in self.eval.sets]
 
 
 class ConfigError(ValueError):

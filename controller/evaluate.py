@@ -21,22 +21,26 @@ class EvalResult:
     model: str
     """What was evaluated: a model folder, or RUN_DIR@step-N."""
     record: dict
-    """The evaluation record (accuracy, samples, prompts, failed), as in metrics.jsonl."""
+    """The evaluation record (accuracy, samples, prompts, failed, and per eval set ``sets``), as in metrics.jsonl."""
     settings: dict
 
     def table(self) -> str:
         rows = [("model", self.model), ("task", self.settings["task"]), ("engine", self.settings["engine"]),
-                ("samples per prompt", str(self.settings["samples_per_prompt"])),
-                ("decoding", "greedy" if self.settings["greedy"] else f"temperature {self.settings['temperature']:g}"),
-                ("held-out accuracy", f"{self.record['accuracy']:.4f} ({self.record['samples']} samples, {self.record['prompts']} prompts, "
-                                      f"{self.record['failed']} failed)")]
+                ("samples per prompt", f"{self.settings['samples_per_prompt']} at temperature {self.settings['temperature']:g}"
+                                       + (" + 1 greedy" if self.settings["greedy"] else ""))]
+        for name, s in self.record.get("sets", {}).items():
+            scores = [f"mean@{s['k']} {s['mean_at_k']:.4f}"] + [f"{k.replace('_at_', '@')} {v:.4f}" for k, v in s.items() if k.startswith("pass_at_")]
+            if "greedy" in s:
+                scores.append(f"greedy {s['greedy']:.4f}")
+            rows.append((f"eval set {name}", f"{', '.join(scores)} ({s['prompts']} prompts, {s['failed']} failed; "
+                                             f"{s['response_tokens_mean']:.0f} tokens mean, {s['truncated_frac']:.2f} truncated)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
     def tag(self) -> str:
         """The decoding settings in a file name: evaluations of one model under other settings do not overwrite each other."""
         s = self.settings
-        return f"{'greedy' if s['greedy'] else 't' + format(s['temperature'], 'g')}-n{s['samples_per_prompt']}"
+        return f"t{s['temperature']:g}-n{s['samples_per_prompt']}{'-greedy' if s['greedy'] else ''}"
 
     def to_json(self) -> str:
         return json.dumps({"model": self.model, "settings": self.settings, **self.record}, indent=2)
@@ -64,20 +68,20 @@ def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None 
     from controller.ray_backend import RayBackend
     from controller.telemetry import Telemetry
 
-    train_set, test_set, _ = problems(cfg)
-    if not test_set:
-        raise ValueError("the config's task has no held-out split to evaluate on (task.test_path is not set)")
+    train_set, eval_sets, _ = problems(cfg)
+    if not any(eval_sets.values()):
+        raise ValueError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
     quiet = cfg.metrics.model_copy(update={"port": None, "progress": False, "loggers": []})
     backend = RayBackend(cfg, str(model_folder), learner=False)
     with tempfile.TemporaryDirectory(prefix="drpo-eval-") as scratch:
         telemetry = Telemetry(scratch, quiet, 1, backend.now)
         try:
-            ctl = Controller(cfg, backend, train_set, test_set, telemetry)
+            ctl = Controller(cfg, backend, train_set, eval_sets, telemetry)
             ctl.evaluate(blocking=True)
         finally:
             telemetry.close()
             backend.shutdown()
-    record = {k: v for k, v in ctl.eval_history[-1].items() if k in ("accuracy", "samples", "prompts", "failed")}
+    record = {k: v for k, v in ctl.eval_history[-1].items() if k in ("accuracy", "samples", "prompts", "failed", "sets")}
     settings = {
         "task": cfg.task.type, "engine": cfg.rollout.engine, "precision": cfg.rollout.precision, "samples_per_prompt": cfg.eval.samples_per_prompt,
         "temperature": cfg.eval.temperature or cfg.rollout.temperature, "greedy": cfg.eval.greedy, "max_new_tokens": cfg.rollout.max_new_tokens,

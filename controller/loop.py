@@ -22,6 +22,7 @@ import objectives
 from controller.backend import Backend, Events, TrainResult
 from controller.batch import Batch, BatchBuilder
 from controller.config import RunConfig, dump
+from controller.eval_metrics import set_summary
 from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
 from controller.stop import StopRequest
@@ -63,19 +64,23 @@ class _Step:
 
 class Controller:
     def __init__(
-        self, cfg: RunConfig, backend: Backend, train: list[Problem], test: list[Problem], telemetry: Telemetry,
+        self, cfg: RunConfig, backend: Backend, train: list[Problem], evals: dict[str, list[Problem]], telemetry: Telemetry,
         stop: StopRequest | None = None,
     ):
-        """``stop``: polled between events; once requested, ``run`` winds down (see ``wind_down``)."""
+        """``evals``: the eval sets by name, the one ``accuracy`` reports first. ``stop``: polled
+        between events; once requested, ``run`` winds down (see ``wind_down``)."""
         self.cfg, self.backend, self.telemetry = cfg, backend, telemetry
         self.stop = stop or StopRequest()
         self.problems = {p.id: p for p in train}
-        self.test = test
-        self.test_problems = {p.id: p for p in test}
-        if len(self.test_problems) != len(test):
-            seen = [p.id for p in test]
-            dup = sorted({i for i in seen if seen.count(i) > 1})
-            raise ValueError(f"held-out problem ids are not unique ({', '.join(dup[:5])}); evaluation results are matched by id")
+        self.eval_sets = {name: list(ps) for name, ps in evals.items() if ps}
+        self.eval_problems = {(name, p.id): p for name, ps in self.eval_sets.items() for p in ps}
+        for name, ps in self.eval_sets.items():
+            ids = [p.id for p in ps]
+            if len(set(ids)) != len(ids):
+                dup = sorted({i for i in ids if ids.count(i) > 1})
+                raise ValueError(f"eval set {name!r} has repeated problem ids ({', '.join(dup[:5])}); evaluation results are matched by id")
+        self.test = bool(self.eval_sets)
+        """Whether there is anything to evaluate."""
         self.step = self.version = 0
         self.batch_size = cfg.train.prompts_per_step
         self.staleness = StalenessManager(
@@ -244,7 +249,10 @@ class Controller:
         published = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
         stats = self.staleness.stats()
         self.telemetry.step(StepReport(
-            step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.scores],
+            step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.rewards],
+            scores=[s for g in done.groups for s in g.scores], reasons=[s.reward.reason.split(":")[0] for g in done.groups for s in g.samples],
+            response_tokens=[len(s.completion.response_ids) for g in done.groups for s in g.samples],
+            truncated=[s.completion.finish_reason == "length" for g in done.groups for s in g.samples],
             lags=done.batch.lags, batch_metrics=done.batch.metrics, published=published, staleness=stats,
             max_staleness=self.cfg.train.max_staleness, queue_depth=sum(self.load), buffered=len(self.buffer),
             ledger=self.ledger.counts(),
@@ -259,12 +267,15 @@ class Controller:
     # ---- evaluation ---------------------------------------------------------------------------------
 
     def evaluate(self, blocking: bool) -> None:
-        """Held-out accuracy of the served weights: every test prompt, ``eval.samples_per_prompt`` samples."""
+        """Evaluate the served weights on every eval set: ``eval.samples_per_prompt`` sampled
+        responses per prompt, and one greedy response more with ``eval.greedy``."""
         rnd = self.eval_rounds
         self.eval_rounds += 1
-        self.evals[rnd] = _Eval(self.version, len(self.test))
-        for p in self.test:
-            self._submit_eval(EvalTicket(rnd, p.id))
+        modes = (False, True) if self.cfg.eval.greedy else (False,)
+        tickets = [EvalTicket(rnd, p.id, name, greedy) for name, ps in self.eval_sets.items() for greedy in modes for p in ps]
+        self.evals[rnd] = _Eval(self.version, len(tickets))
+        for ticket in tickets:
+            self._submit_eval(ticket)
         while blocking and rnd in self.evals and not self.stop.requested:
             self.handle(self.backend.wait())
 
@@ -275,7 +286,8 @@ class Controller:
             queued[w] += 1
         worker = min(live, key=queued.__getitem__)
         self.eval_pending[ticket] = worker
-        self.backend.submit(worker, ticket, self.test_problems[ticket.id], self.cfg.eval.samples_per_prompt)
+        n = 1 if ticket.greedy else self.cfg.eval.samples_per_prompt
+        self.backend.submit(worker, ticket, self.eval_problems[(ticket.set, ticket.id)], n)
 
     def _eval_result(self, g: Group | None, rnd: int | None = None) -> None:
         """Record an evaluation group (the first to arrive for its ticket), or with ``g`` None only
@@ -289,12 +301,13 @@ class Controller:
         if len(ev.results) < ev.expected:
             return
         del self.evals[rnd]
-        scores = [r for res in ev.results for r in res.scores]
         versions = [res.oldest_version for res in ev.results if res.oldest_version is not None]
+        sets = {name: set_summary([g for g in ev.results if g.ticket.set == name], self.cfg.eval.pass_k) for name in self.eval_sets}
+        first = sets[next(iter(sets))]
         record = {
-            "round": rnd, "step": self.step, "version": ev.version, "accuracy": sum(scores) / max(1, len(scores)),
-            "samples": len(scores), "prompts": len(ev.results), "failed": sum(res.error is not None for res in ev.results),
-            "min_version": min(versions, default=None),
+            "round": rnd, "step": self.step, "version": ev.version, "accuracy": first["mean_at_k"], "samples": first["samples"],
+            "prompts": first["prompts"], "failed": sum(s["failed"] for s in sets.values()), "min_version": min(versions, default=None),
+            "sets": sets,
         }
         self.eval_history.append(record)
         self.telemetry.evaluation(record)

@@ -78,7 +78,15 @@ CATALOG: dict[str, Family] = {
     "drpo_step_duration_seconds": Family("drpo_step_duration_seconds", "gauge", "Wall seconds between the last two steps"),
     "drpo_reward_mean": Family("drpo_reward_mean", "gauge", "Mean reward of the last step's samples"),
     "drpo_reward_accuracy_ratio": Family("drpo_reward_accuracy_ratio", "gauge", "Fraction of the last step's samples with full reward"),
-    "drpo_eval_accuracy_ratio": Family("drpo_eval_accuracy_ratio", "gauge", "Held-out accuracy of the last evaluation"),
+    "drpo_eval_accuracy_ratio": Family("drpo_eval_accuracy_ratio", "gauge", "mean@k of the first eval set in the last evaluation"),
+    "drpo_eval_mean_at_k_ratio": Family("drpo_eval_mean_at_k_ratio", "gauge", "mean@k per eval set (label set) in the last evaluation"),
+    "drpo_eval_pass_at_k_ratio": Family("drpo_eval_pass_at_k_ratio", "gauge", "Unbiased pass@k per eval set (labels set, k)"),
+    "drpo_eval_greedy_accuracy_ratio": Family("drpo_eval_greedy_accuracy_ratio", "gauge", "Greedy accuracy per eval set (label set)"),
+    "drpo_eval_truncated_ratio": Family("drpo_eval_truncated_ratio", "gauge", "Share of eval responses cut at max_new_tokens (label set)"),
+    "drpo_eval_answer_marker_ratio": Family("drpo_eval_answer_marker_ratio", "gauge", "Share of eval answers given after a final-answer marker (label set)"),
+    "drpo_eval_response_tokens": Family("drpo_eval_response_tokens", "gauge", "Eval response length per set (labels set, stat: mean, median, max)"),
+    "drpo_eval_prompts": Family("drpo_eval_prompts", "gauge", "Prompts per eval set (labels set; failed ones in drpo_eval_failed_prompts)"),
+    "drpo_eval_failed_prompts": Family("drpo_eval_failed_prompts", "gauge", "Eval prompts whose group failed, per set"),
     "drpo_step": Family("drpo_step", "gauge", "Training steps done"),
     "drpo_policy_version": Family("drpo_policy_version", "gauge", "Learner policy version"),
     "drpo_last_step_timestamp_seconds": Family("drpo_last_step_timestamp_seconds", "gauge", "Unix time of the last finished step (stall alerts)"),
@@ -122,9 +130,23 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
         return _name(base), {"bin": index}
     if parts[0] == "eval" and parts[1] == "accuracy":
         return "drpo_eval_accuracy_ratio", {}
+    if parts[0] == "eval" and len(parts) == 3:
+        return _eval_series(parts[1], parts[2])
     if key == "reward/accuracy":
         return "drpo_reward_accuracy_ratio", {}
     return _name(key), {}
+
+
+def _eval_series(name: str, metric: str) -> tuple[str, dict[str, str]] | None:
+    """Per eval set metrics (controller/eval_metrics.py) as labelled families."""
+    labels = {"set": name}
+    if metric.startswith("pass_at_"):
+        return "drpo_eval_pass_at_k_ratio", {**labels, "k": metric.removeprefix("pass_at_")}
+    if metric.startswith("response_tokens_"):
+        return "drpo_eval_response_tokens", {**labels, "stat": metric.removeprefix("response_tokens_")}
+    family = {"mean_at_k": "drpo_eval_mean_at_k_ratio", "greedy": "drpo_eval_greedy_accuracy_ratio", "truncated_frac": "drpo_eval_truncated_ratio",
+              "answer_marker_frac": "drpo_eval_answer_marker_ratio", "prompts": "drpo_eval_prompts", "failed": "drpo_eval_failed_prompts"}.get(metric)
+    return (family, labels) if family else None
 
 
 class RunCollector:

@@ -92,7 +92,7 @@ class RayBackend(Backend):
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
             "seed": cfg.seed,  # each engine call's seed derives from it (rollout/worker.py call_seed)
         }
-        eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature, "greedy": cfg.eval.greedy}
+        eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature}  # greedy: per eval ticket
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
@@ -111,7 +111,8 @@ class RayBackend(Backend):
             ).remote(
                 folder, sampling, ro.reward, ro.precision, ro.engine,
                 max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens,
-                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, eval_sampling=eval_sampling, **engine_kwargs,
+                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, eval_sampling=eval_sampling,
+                scoring=ro.scoring.model_dump(), **engine_kwargs,
             )
             for i in range(ro.workers)
         ]

@@ -32,7 +32,15 @@ class StepReport:
     version: int
     result: TrainResult
     rewards: list[float]
-    """Every sample's reward in the step's groups."""
+    """Every sample's reward in the step's groups (what was trained on: correctness plus shaping)."""
+    scores: list[float]
+    """Every sample's correctness (1.0 or 0.0)."""
+    reasons: list[str]
+    """Every sample's verdict (rollout.rewards.RewardResult.reason: correct, wrong, no_answer, ...)."""
+    response_tokens: list[int]
+    """Every sample's response length."""
+    truncated: list[bool]
+    """Every sample: cut at max_new_tokens."""
     lags: tuple[int, ...]
     """Per trained group: its version lag (the batch builder's)."""
     batch_metrics: dict[str, float]
@@ -78,7 +86,10 @@ class Telemetry:
         record = {
             "kind": "step", "step": r.step, "version": r.version, "time": now, "step_seconds": elapsed,
             "reward/mean": sum(rewards) / max(1, len(rewards)),
-            "reward/accuracy": sum(x >= 1.0 for x in rewards) / max(1, len(rewards)),
+            "reward/accuracy": sum(x >= 1.0 for x in r.scores) / max(1, len(r.scores)),
+            **{f"reward/reason/{why}": r.reasons.count(why) / len(r.reasons) for why in sorted(set(r.reasons))},
+            **({"rollout/response_tokens_mean": sum(r.response_tokens) / len(r.response_tokens), "rollout/response_tokens_max":
+                max(r.response_tokens), "rollout/truncated_frac": sum(r.truncated) / len(r.truncated)} if r.response_tokens else {}),
             "learner/tokens": result.tokens, "learner/seconds": result.seconds,
             "learner/tokens_per_second": result.tokens / max(result.seconds, 1e-9),
             "rollout/tokens_per_second": self._group_tokens / elapsed, "rollout/groups": self._groups,
@@ -108,6 +119,8 @@ class Telemetry:
         record = {"kind": "eval", "time": self.clock(), **record}
         self.evals.append(record)
         values = {"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}
+        for name, summary in record.get("sets", {}).items():
+            values.update({f"eval/{name}/{key}": v for key, v in summary.items() if isinstance(v, (int, float))})
         self._publish(values, record)
         for logger in self.loggers:
             logger.log(values, record["step"])

@@ -59,8 +59,17 @@ DASHBOARDS = {
         ], "s"),
         ("rollout queue depth", [("drpo_rollout_queue_depth", "queued + generating")], "none"),
         ("reward and accuracy", [
-            ("drpo_reward_mean", "train reward"), ("drpo_reward_accuracy_ratio", "train accuracy"), ("drpo_eval_accuracy_ratio", "held-out accuracy"),
+            ("drpo_reward_mean", "train reward"), ("drpo_reward_accuracy_ratio", "train accuracy"), ("drpo_eval_accuracy_ratio", "eval accuracy (first set)"),
         ], "percentunit"),
+        ("eval sets: mean@k and pass@k", [
+            ("drpo_eval_mean_at_k_ratio", "{{set}} mean@k"), ("drpo_eval_pass_at_k_ratio", "{{set}} pass@{{k}}"),
+        ], "percentunit"),
+        ("eval sets: truncated responses and answers after a marker", [
+            ("drpo_eval_truncated_ratio", "{{set}} truncated"), ("drpo_eval_answer_marker_ratio", "{{set}} marker"),
+        ], "percentunit"),
+        ("response tokens (train mean, eval mean per set)", [
+            ("drpo_rollout_response_tokens_mean", "train"), ('drpo_eval_response_tokens{stat="mean"}', "{{set}}"),
+        ], "none"),
         ("loss and gradient norm", [("drpo_learner_loss", "loss"), ("drpo_learner_grad_norm", "grad norm")], "none"),
         ("seconds since the last step", [("drpo:seconds_since_last_step", "stall")], "s"),
         ("policy version", [("drpo_policy_version", "version"), ("drpo_step", "step")], "none"),

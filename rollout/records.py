@@ -33,11 +33,14 @@ class TrainTicket:
 
 @dataclass(frozen=True)
 class EvalTicket:
-    """One held-out prompt of evaluation round ``round``."""
+    """One prompt of eval set ``set`` in evaluation round ``round``, sampled or decoded greedily."""
 
     round: int
     id: str
-    """The problem id."""
+    """The problem id (unique within its set)."""
+    set: str = "heldout"
+    greedy: bool = False
+    """One greedy response (most likely token at every step) instead of eval.samples_per_prompt sampled ones."""
 
 
 Ticket = Union[TrainTicket, EvalTicket]
@@ -89,7 +92,13 @@ class Group:
 
     @property
     def scores(self) -> tuple[float, ...]:
+        """Correctness per sample (1.0 or 0.0): accuracy and evaluation."""
         return tuple(s.reward.score for s in self.samples)
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        """The reward trained on per sample: correctness plus shaping (advantages)."""
+        return tuple(s.reward.value for s in self.samples)
 
     @property
     def tokens(self) -> int:

@@ -1,18 +1,20 @@
-"""Verifiable rewards: the reward-function interface, answer extraction and math verification.
+"""Verifiable rewards: the reward-function interface and the two comparisons a run can choose.
 
 A reward function maps (completion text, ground truth) to a ``RewardResult``; it never raises on
-model output (garbage scores 0 with a reason) and never takes longer than its time bound.
+model output (garbage scores 0 with a reason) and never takes longer than its time bound. The
+answer is extracted by rollout/answers.py: a final-answer marker first ("####", "The answer is",
+``\\boxed{}``), then the last number (``require_marker`` turns that fallback off).
 
-Answer extraction (``extract_answer``): the content of the last ``\\boxed{...}`` if there is one,
-else the last number in the text. The extracted answer must be a *literal* (an integer, decimal or
-simple fraction, optionally signed or with thousands separators) before anything compares it:
-math-verify evaluates expressions, so ``\\boxed{7 * 27}`` would otherwise score as 189 although the
-model computed nothing — and within 10 GRPO steps a policy learned to exploit exactly that
-(DESIGN.md).
+``literal`` (``LiteralNumberReward``): the answer must be a literal (an integer, decimal or
+fraction) and equal the ground truth exactly. ``math_verify`` (``MathVerifyReward``): math-verify
+decides equivalence, so closed forms count (``\\frac{1}{2}`` for 0.5, ``2\\sqrt{2}``, ``\\pi``), but an
+answer that is a *computation* (two numbers joined by an operator) is refused first: math-verify
+evaluates expressions, so ``\\boxed{7 * 27}`` would otherwise score as 189 although the model
+computed nothing — and within 10 GRPO steps a policy learned to exploit exactly that (DESIGN.md).
 
-``MathVerifyReward`` compares with math-verify in a separate worker process: math-verify's own
-timeouts use signals and only work in the main thread, and a sympy computation cannot be
-interrupted from another thread, so the bound is enforced by killing and restarting the process.
+``MathVerifyReward`` runs math-verify in a separate worker process: math-verify's own timeouts use
+signals and only work in the main thread, and a sympy computation cannot be interrupted from
+another thread, so the bound is enforced by killing and restarting the process.
 """
 
 from __future__ import annotations
@@ -24,10 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
-NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"
-_NUMBER_RE = re.compile(rf"-?\d+\s*/\s*\d+(?![\d.,])|{NUMBER}")  # a plain fraction counts as one number
-_LITERAL_RE = re.compile(rf"^\s*(?:{NUMBER})\s*$|^\s*-?\d+\s*/\s*\d+\s*$|^\s*-?\\d?frac\{{-?\d+\}}\{{\d+\}}\s*$")
-_BOXED = "\\boxed{"
+from rollout.answers import extract, is_computation, is_literal
 
 
 @dataclass(frozen=True)
@@ -37,43 +36,32 @@ class RewardResult:
     extracted: str | None
     """The answer taken from the completion, or None."""
     reason: str
-    """correct | wrong | no_answer | not_literal | timeout | error"""
+    """correct | wrong | no_answer | not_literal | computation | timeout | error"""
+    marker: str | None = None
+    """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
+    shaping: float = 0.0
+    """Added to ``score`` for training (over-long shaping: <= 0); correctness stays ``score``."""
+
+    @property
+    def value(self) -> float:
+        """The reward trained on: correctness plus shaping."""
+        return self.score + self.shaping
 
 
 class RewardFn(Protocol):
     def __call__(self, completion: str, ground_truth: str) -> RewardResult: ...
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced; None if absent or unclosed."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth, i = 1, start + len(_BOXED)
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
 def extract_answer(text: str) -> str | None:
-    """The last boxed answer, else the last number in the text."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    numbers = _NUMBER_RE.findall(text)
-    return numbers[-1].replace(" ", "") if numbers else None
-
-
-def is_literal(answer: str) -> bool:
-    return bool(_LITERAL_RE.match(answer))
+    """The final answer of ``text`` (rollout.answers.extract), or None."""
+    found = extract(text)
+    return None if found is None else found.answer
 
 
 def literal_value(answer: str) -> Fraction:
     """Exact value of a literal answer (see ``is_literal``)."""
     s = answer.strip().replace(",", "")
-    m = re.match(r"^(-?)\\d?frac\{(-?\d+)\}\{(\d+)\}$", s)
+    m = re.match(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}$", s)
     if m:
         return (-1 if m.group(1) else 1) * Fraction(int(m.group(2)), int(m.group(3)))
     if "/" in s:
@@ -82,28 +70,33 @@ def literal_value(answer: str) -> Fraction:
     return Fraction(s)
 
 
-def _literal_or_rejection(completion: str) -> tuple[str, RewardResult | None]:
-    """The extracted literal answer, or the zero-score result that rejects the completion."""
-    answer = extract_answer(completion)
-    if answer is None:
-        return "", RewardResult(0.0, None, "no_answer")
-    if not is_literal(answer):
-        return answer, RewardResult(0.0, answer, "not_literal")
-    return answer, None
+def _answer_or_rejection(completion: str, require_marker: bool, literal_only: bool) -> tuple[str, str | None, RewardResult | None]:
+    """The extracted answer and its marker, or the zero-score result that rejects the completion."""
+    found = extract(completion, require_marker)
+    if found is None:
+        return "", None, RewardResult(0.0, None, "no_answer")
+    if literal_only and not is_literal(found.answer):
+        return found.answer, found.marker, RewardResult(0.0, found.answer, "not_literal", found.marker)
+    if is_computation(found.answer):
+        return found.answer, found.marker, RewardResult(0.0, found.answer, "computation", found.marker)
+    return found.answer, found.marker, None
 
 
 class LiteralNumberReward:
-    """Exact comparison of the extracted literal with a numeric ground truth (the arithmetic task)."""
+    """Exact comparison of the extracted literal with a numeric ground truth."""
+
+    def __init__(self, require_marker: bool = False):
+        self.require_marker = require_marker
 
     def __call__(self, completion: str, ground_truth: str) -> RewardResult:
-        answer, rejected = _literal_or_rejection(completion)
+        answer, marker, rejected = _answer_or_rejection(completion, self.require_marker, literal_only=True)
         if rejected is not None:
             return rejected
         try:
             correct = literal_value(answer) == literal_value(ground_truth)
         except (ValueError, ZeroDivisionError):
-            return RewardResult(0.0, answer, "error")
-        return RewardResult(1.0 if correct else 0.0, answer, "correct" if correct else "wrong")
+            return RewardResult(0.0, answer, "error", marker)
+        return RewardResult(1.0 if correct else 0.0, answer, "correct" if correct else "wrong", marker)
 
 
 def _verify_loop(conn) -> None:
@@ -122,15 +115,22 @@ def _verify_loop(conn) -> None:
             conn.send(("error", repr(err)[:200]))
 
 
+def _delimited(s: str) -> str:
+    """LaTeX in math delimiters: math-verify's parser reads ``\\frac{3}{4}`` only inside ``$...$``."""
+    s = s.strip()
+    return f"${s}$" if "\\" in s and not s.startswith("$") else s
+
+
 class MathVerifyReward:
-    """math-verify equivalence of the extracted literal with the ground truth, time-bounded.
+    """math-verify equivalence of the extracted answer with the ground truth, time-bounded; a
+    computation is refused before math-verify sees it.
 
     Thread-safe (one call at a time through a lock); a call that exceeds ``timeout_s`` kills the
     verifier process, scores 0 with reason "timeout", and the next call starts a fresh one.
     """
 
-    def __init__(self, timeout_s: float = 5.0):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float = 5.0, require_marker: bool = False):
+        self.timeout_s, self.require_marker = timeout_s, require_marker
         self._lock = threading.Lock()
         self._proc = None
         self._conn = None
@@ -153,17 +153,29 @@ class MathVerifyReward:
             self._kill()
 
     def __call__(self, completion: str, ground_truth: str) -> RewardResult:
-        answer, rejected = _literal_or_rejection(completion)
+        answer, marker, rejected = _answer_or_rejection(completion, self.require_marker, literal_only=False)
         if rejected is not None:
             return rejected
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((str(ground_truth), answer))
+            self._conn.send((_delimited(str(ground_truth)), _delimited(answer)))
             if not self._conn.poll(self.timeout_s):
                 self._kill()
-                return RewardResult(0.0, answer, "timeout")
+                return RewardResult(0.0, answer, "timeout", marker)
             status, value = self._conn.recv()
         if status != "ok":
-            return RewardResult(0.0, answer, "error")
-        return RewardResult(1.0 if value else 0.0, answer, "correct" if value else "wrong")
+            return RewardResult(0.0, answer, "error", marker)
+        return RewardResult(1.0 if value else 0.0, answer, "correct" if value else "wrong", marker)
+
+
+def overlong_shaping(length: int, max_new_tokens: int, truncated: bool, penalty: float, buffer: int) -> float:
+    """Over-long shaping of one response (DAPO, arXiv 2503.14476, "soft overlong punishment"): 0
+    up to ``max_new_tokens - buffer`` tokens, then falling linearly to ``-penalty`` at the length
+    limit; with ``buffer`` 0, ``-penalty`` for a truncated response (cut at the limit, so it never
+    reached an answer's end) and 0 otherwise."""
+    if penalty == 0.0:
+        return 0.0
+    if buffer == 0:
+        return -penalty if truncated else 0.0
+    return -penalty * min(1.0, max(0, length - (max_new_tokens - buffer)) / buffer)

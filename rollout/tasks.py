@@ -1,5 +1,6 @@
-"""Tasks: prompts with verifiable answers. A seeded synthetic arithmetic task, and a loader for
-DAPO-Math-style datasets (jsonl or parquet rows with a prompt and a ground truth).
+"""Tasks: prompts with verifiable answers. A seeded synthetic arithmetic task with held-out facts
+and extra eval sets (rollout/word_problems.py has the multi-step task), and a loader for math
+datasets in the DAPO-Math, GSM8K, MATH and AIME row formats (jsonl or parquet).
 
 ``Problem`` is one prompt: a stable id (the controller's ledger keys on it), the user message, and
 the ground truth. Rendering to tokens (chat template) is the engine side's job.
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from rollout.answers import extract
 
 # Chosen by measurement (README): SmolLM2-135M-Instruct answers single-digit word problems with this
 # instruction correctly ~10-20% of the time at temperature 1, and 2-digit ones ~3%: RL needs signal.
@@ -29,29 +34,60 @@ _TEMPLATES = {
     "-": ("{name} has {a} {item}. {pronoun} gives away {b}. How many {item} does {name} have left?", lambda a, b: a - b),
     "*": ("{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?", lambda a, b: a * b),
 }
+_OTHER_WORDINGS = {  # the "wording" eval set: phrasings never used in training
+    "+": "There are {a} {item} on a table and someone puts {b} more there. How many {item} are on the table?",
+    "-": "A jar holds {a} {item}. {name} takes {b} of them out. How many {item} remain in the jar?",
+    "*": "Each of {a} bags holds {b} {item}. How many {item} are there in all the bags together?",
+}
 _NAMES = [("Tom", "He"), ("Anna", "She"), ("Ben", "He"), ("Mia", "She"), ("Sam", "He"), ("Lucy", "She")]
 _ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies"]
 
+HELD_OUT_FACT_SHARE = 0.25
+"""The share of (a, op, b) facts kept out of training for the held-out arithmetic sets."""
 
-def arithmetic_problem(rng: random.Random, index: int, split: str, max_operand: int = 9) -> Problem:
-    op = rng.choice("+-*")
-    a, b = rng.randint(2, max_operand), rng.randint(2, max_operand)
-    if op == "-" and b > a:
-        a, b = b, a
+ARITHMETIC_SETS = ("heldout", "wording", "range")
+"""The arithmetic task's eval sets: held-out facts in the training wordings; the same facts in
+wordings never trained on; operands above the training range (max_operand+1 .. 2*max_operand+1)."""
+
+
+def arithmetic_facts(low: int, high: int) -> list[tuple[int, str, int]]:
+    """Every (a, op, b) with operands in [low, high]; subtraction only with a >= b."""
+    return [(a, op, b) for op in "+-*" for a in range(low, high + 1) for b in range(low, high + 1) if op != "-" or a >= b]
+
+
+def held_out_facts(seed: int = 0, max_operand: int = 9) -> set[tuple[int, str, int]]:
+    """The seeded HELD_OUT_FACT_SHARE of the training range's facts that training never sees."""
+    facts = arithmetic_facts(2, max_operand)
+    random.Random(f"{seed}-held-out-facts").shuffle(facts)
+    return set(facts[: max(1, round(HELD_OUT_FACT_SHARE * len(facts)))])
+
+
+def arithmetic_problem(rng: random.Random, index: int, split: str, facts: list[tuple[int, str, int]], wordings=None) -> Problem:
+    a, op, b = rng.choice(facts)
     (name, pronoun), item = rng.choice(_NAMES), rng.choice(_ITEMS)
     template, fn = _TEMPLATES[op]
+    if wordings is not None:
+        template = wordings[op]
     question = template.format(name=name, pronoun=pronoun, a=a, b=b, item=item)
     return Problem(f"arith-{split}-{index}", f"{question} {ARITHMETIC_INSTRUCTION}", str(fn(a, b)))
 
 
 def arithmetic_split(split: str, size: int, seed: int = 0, max_operand: int = 9) -> list[Problem]:
-    """``size`` problems of ``split`` ("train" or "test"); the splits use disjoint seeds, so the
-    held-out set never overlaps the training stream's generator (identical texts can recur by
-    chance, as in any small synthetic task)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    """``size`` problems of ``split``: "train", or one of ARITHMETIC_SETS ("test" is "heldout").
+    Training draws only facts outside ``held_out_facts``, so no held-out question text and no
+    held-out (a, op, b) fact occurs in training; the sets share only names, items and (heldout,
+    range) the sentence templates. Splits use disjoint seeded streams."""
+    split = "heldout" if split == "test" else split
+    if split not in ("train", *ARITHMETIC_SETS):
+        raise ValueError(f"split must be 'train' or one of {ARITHMETIC_SETS}, got {split!r}")
+    held_out = held_out_facts(seed, max_operand)
+    if split == "range":
+        facts = arithmetic_facts(max_operand + 1, 2 * max_operand + 1)
+    else:
+        facts = sorted(held_out) if split != "train" else [f for f in arithmetic_facts(2, max_operand) if f not in held_out]
     rng = random.Random(f"{seed}-{split}")
-    return [arithmetic_problem(rng, i, split, max_operand) for i in range(size)]
+    wordings = _OTHER_WORDINGS if split == "wording" else None
+    return [arithmetic_problem(rng, i, split if split != "heldout" else "test", facts, wordings) for i in range(size)]
 
 
 @dataclass(frozen=True)
@@ -59,6 +95,32 @@ class LoadReport:
     problems: list[Problem]
     skipped: list[tuple[int, str]] = field(default_factory=list)
     """(1-based row number, reason) of every row that was skipped."""
+
+
+DatasetFormat = Literal["auto", "dapo", "gsm8k", "math", "aime"]
+
+INSTRUCTIONS = {
+    "dapo": "",  # DAPO-Math prompts carry their own instruction
+    "gsm8k": 'Let\'s think step by step and output the final answer after "####".',  # verl's GSM8K preprocessing
+    "math": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "aime": "Please reason step by step, and put your final answer within \\boxed{}.",
+}
+"""What a dataset format's prompts get appended by default (DatasetTask.instruction overrides it)."""
+
+
+def row_format(row: dict) -> str:
+    """The format of one row: gsm8k (question + answer with a "#### N" line), math (problem +
+    solution with \\boxed{}), aime (problem + integer answer, no solution), else dapo
+    (reward_model.ground_truth or a chat prompt, or any prompt + answer/solution/ground_truth)."""
+    if isinstance(row.get("reward_model"), dict) or isinstance(row.get("prompt"), list):
+        return "dapo"
+    if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
+        return "gsm8k"
+    if "problem" in row and "\\boxed" in str(row.get("solution", "")):
+        return "math"
+    if "problem" in row and re.fullmatch(r"\s*-?\d+\s*", str(row.get("answer", ""))) and "solution" not in row:
+        return "aime"
+    return "dapo"  # prompt + answer / ground_truth / solution: the generic form the dapo reader takes
 
 
 def _row_prompt(row: dict) -> str:
@@ -71,7 +133,27 @@ def _row_prompt(row: dict) -> str:
     return prompt
 
 
-def _row_answer(row: dict) -> str:
+def _row_answer(row: dict, fmt: str) -> str:
+    if fmt == "gsm8k":
+        answer = row.get("answer")
+        if not isinstance(answer, str) or "####" not in answer:
+            raise ValueError("no '#### N' line in the GSM8K answer")
+        final = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        if not final:
+            raise ValueError("nothing after '####' in the GSM8K answer")
+        return final
+    if fmt == "math":
+        if row.get("answer") not in (None, ""):
+            return str(row["answer"]).strip()
+        boxed = extract(str(row.get("solution", "")), require_marker=True)
+        if boxed is None or boxed.marker != "boxed":
+            raise ValueError("no \\boxed{} answer in the MATH solution")
+        return boxed.answer
+    if fmt == "aime":
+        answer = str(row.get("answer", "")).strip()
+        if not re.fullmatch(r"-?\d+", answer):
+            raise ValueError(f"AIME answers are integers, got {answer[:40]!r}")
+        return str(int(answer))
     reward_model = row.get("reward_model")
     answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
     answer = answer if answer is not None else row.get("answer", row.get("solution", row.get("ground_truth")))
@@ -98,10 +180,12 @@ def _rows(path: Path):
                 yield number, err
 
 
-def load_dataset(path: str | Path, max_prompt_chars: int = 8192) -> LoadReport:
-    """Load a jsonl or parquet math dataset. Bad rows (unparseable, no prompt, no ground truth,
-    over-long prompt) are skipped and reported by 1-based row number; nothing raises for them. An
-    empty result raises, naming the file and the first reasons."""
+def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFormat = "auto", instruction: str | None = None) -> LoadReport:
+    """Load a jsonl or parquet math dataset in ``fmt`` (auto: each row's own, ``row_format``), with
+    ``instruction`` appended to every prompt (None: the format's INSTRUCTIONS entry; "": none). Bad
+    rows (unparseable, no prompt, no ground truth, over-long prompt) are skipped and reported by
+    1-based row number; nothing raises for them. An empty result raises, naming the file and the
+    first reasons."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
@@ -112,10 +196,13 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192) -> LoadReport:
                 raise ValueError(f"not JSON: {row}")
             if not isinstance(row, dict):
                 raise ValueError("not an object")
+            kind = row_format(row) if fmt == "auto" else fmt
             prompt = _row_prompt(row)
+            suffix = INSTRUCTIONS[kind] if instruction is None else instruction
+            prompt = f"{prompt.rstrip()} {suffix}" if suffix else prompt
             if len(prompt) > max_prompt_chars:
                 raise ValueError(f"prompt has {len(prompt)} characters, more than {max_prompt_chars}")
-            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), prompt, _row_answer(row)))
+            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), prompt, _row_answer(row, kind)))
         except ValueError as err:
             skipped.append((number, str(err)))
     if not problems:

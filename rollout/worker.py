@@ -23,7 +23,7 @@ import torch
 from rollout.engine import Completion, SamplingParams, mix_seed
 from rollout.engines import make_engine
 from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
-from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult
+from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
 from rollout.tasks import Problem
 
 
@@ -35,11 +35,11 @@ class _Stats:
     last_step: float = field(default_factory=time.time)
 
 
-def make_reward(name: str):
+def make_reward(name: str, require_marker: bool = False, verify_timeout_s: float = 5.0):
     if name == "literal":
-        return LiteralNumberReward()
+        return LiteralNumberReward(require_marker)
     if name == "math_verify":
-        return MathVerifyReward()
+        return MathVerifyReward(verify_timeout_s, require_marker)
     raise ValueError(f"unknown reward {name!r}; expected 'literal' or 'math_verify'")
 
 
@@ -70,6 +70,11 @@ TRAINING_AHEAD_OF_EVALUATION = 2
 """Engine calls of training prompts that may go ahead of a waiting evaluation prompt: training
 first, so evaluation never delays the learner's next batch, but an evaluation is never starved
 when the rollout is the slower stage (there is always training work queued then)."""
+
+
+def _call_key(item: tuple[Ticket, Problem, int]) -> tuple[int, bool]:
+    """Submissions generated in one engine call share n and decoding (greedy or sampled)."""
+    return item[2], bool(getattr(item[0], "greedy", False))
 
 
 class _Inbox:
@@ -106,7 +111,7 @@ class _Inbox:
 
     def take(self, limit) -> list[tuple[Ticket, Problem, int]] | None:
         """Block for the next submissions to generate together: the head of the first non-empty
-        queue and what follows it with the same n, at most ``limit(n)``; None once closed."""
+        queue and what follows it with the same n and decoding, at most ``limit(n)``; None once closed."""
         with self._cond:
             while not self._closed and not any(self._queues):
                 self._cond.wait()
@@ -117,9 +122,9 @@ class _Inbox:
                 q, self._ahead = train, self._ahead + bool(evaluation)
             else:
                 q, self._ahead = evaluation, 0
-            n = q[0][2]
+            n, key = q[0][2], _call_key(q[0])
             count = 1
-            while count < min(len(q), limit(n)) and q[count][2] == n:
+            while count < min(len(q), limit(n)) and _call_key(q[count]) == key:
                 count += 1
             batch = q[:count]
             del q[:count]
@@ -132,7 +137,7 @@ class RolloutWorker:
     def __init__(
         self, model_folder: str, sampling: dict, reward: str = "literal", precision: str = "fp32", engine: str = "hf",
         max_batch_prompts: int = 1, max_prompt_tokens: int | None = None, chaos: dict | None = None, worker_id: int = 0,
-        eval_sampling: dict | None = None, **engine_kwargs,
+        eval_sampling: dict | None = None, scoring: dict | None = None, **engine_kwargs,
     ):
         """``sampling``: SamplingParams fields (``topk_logprobs`` applies to training groups only);
         ``max_batch_prompts``: queued training prompts generated together in one engine
@@ -140,11 +145,12 @@ class RolloutWorker:
         x n of them at one sample each); ``max_prompt_tokens``: longer prompts fail their group;
         ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests; ``worker_id``:
         the index its records carry; ``eval_sampling``: SamplingParams fields that differ for
-        evaluation groups (temperature, greedy)."""
+        evaluation groups (temperature); ``scoring``: controller.config.ScoringConfig fields."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.eval_sampling = dataclasses.replace(self.sampling, topk_logprobs=0, **(eval_sampling or {}))
-        self.reward = make_reward(reward)
+        self.scoring = dict(scoring or {})
+        self.reward = make_reward(reward, self.scoring.get("require_marker", False), self.scoring.get("verify_timeout_s", 5.0))
         self.worker_id = worker_id
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
         self.chaos = dict(chaos or {})
@@ -294,6 +300,8 @@ class RolloutWorker:
         prompt, however the prompts were batched (the logits themselves can differ slightly with
         padding and batch size)."""
         base = self.eval_sampling if isinstance(tickets[0], EvalTicket) else self.sampling
+        if getattr(tickets[0], "greedy", False):
+            base = dataclasses.replace(base, greedy=True)
         seeds = None if base.seed is None else tuple(mix_seed(base.seed, repr(t)) for t in tickets)
         return dataclasses.replace(base, n=n, prompt_seeds=seeds)
 
@@ -347,8 +355,17 @@ class RolloutWorker:
         if not any(len(c.response_ids) for c in completions):
             return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
         texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-        samples = tuple(Sample(c, t, self._score(t, problem.ground_truth)) for c, t in zip(completions, texts))
+        samples = tuple(Sample(c, t, self._shaped(c, self._score(t, problem.ground_truth))) for c, t in zip(completions, texts))
         return Group(ticket, self.worker_id, samples, version, seconds)
+
+    def _shaped(self, c: Completion, result: RewardResult) -> RewardResult:
+        """The over-long shaping of ``rollout.scoring`` added to a verdict (training groups and
+        evaluation alike; evaluation reads correctness only)."""
+        shaping = overlong_shaping(
+            len(c.response_ids), self.sampling.max_new_tokens, c.finish_reason == "length",
+            self.scoring.get("overlong_penalty", 0.0), self.scoring.get("overlong_buffer", 0),
+        )
+        return dataclasses.replace(result, shaping=shaping) if shaping else result
 
     def _score(self, text: str, truth: str) -> RewardResult:
         try:

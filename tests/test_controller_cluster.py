@@ -35,7 +35,7 @@ def test_train_on_an_existing_cluster_places_learner_and_rollout_on_their_nodes(
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({
         "run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_chat_model)},
-        "task": {"type": "arithmetic", "train_size": 32, "test_size": 4},
+        "task": {"type": "arithmetic", "train_size": 32, "test_size": 4, "extra_eval_size": 0},
         "rollout": {"workers": 1, "cpus_per_worker": 1, "samples_per_prompt": 4, "max_new_tokens": 3},
         "learner_resources": {"cpus_per_worker": 1},
         "train": {"steps": 2, "prompts_per_step": 2, "mode": "async", "max_staleness": 1},

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine]
 def run_config(tmp_path, model, **train) -> RunConfig:
     return RunConfig.model_validate({
         "run_dir": str(tmp_path / "run"), "model": {"path": str(model)},
-        "task": {"type": "arithmetic", "train_size": 64, "test_size": 8},
+        "task": {"type": "arithmetic", "train_size": 64, "test_size": 8, "extra_eval_size": 0},
         "rollout": {"workers": 1, "samples_per_prompt": 4, "max_new_tokens": 3, "max_batch_prompts": 4},
         "learner": {"optimizer": {"lr": 3e-3}, "micro_batch_size": 8, "objective": {"type": "drpo", "delta": 0.2}},
         "train": {"steps": 4, "prompts_per_step": 2, "mode": "async", "max_staleness": 1, **train},
@@ -105,7 +105,7 @@ def test_report_from_a_real_run_folder_has_every_plot(async_run, tmp_path):
         png = (tmp_path / "report" / f"{name}.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000
     assert (tmp_path / "report" / "report.png").read_bytes().startswith(b"\x89PNG")
-    assert "held-out accuracy, last" in page and "no data in this run" not in page  # every plot had its metrics
+    assert "eval accuracy, last" in page and "eval set heldout" in page and "no data in this run" not in page  # every plot had its metrics
 
 
 def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):

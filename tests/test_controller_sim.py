@@ -76,7 +76,7 @@ def test_wait_policy_never_drops_and_drop_policy_drops_only_over_bound_samples(t
 
 def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
     cfg = sim_config(tmp_path, max_staleness=1)
-    ctl = Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 50), [], Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
+    ctl = Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 50), {}, Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
     ctl.version = 5
     backend = ctl.backend
     backend._serving[0] = 2  # the worker still serves version 2
@@ -95,7 +95,7 @@ def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
 def _controller(cfg, tmp_path):
     backend = SimulatedBackend(cfg.simulation, cfg.rollout.workers)
     train_set = arithmetic_split("train", cfg.task.train_size)
-    return Controller(cfg, backend, train_set, [], Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now))
+    return Controller(cfg, backend, train_set, {}, Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now))
 
 
 def test_resume_admits_no_burst(tmp_path):
@@ -194,5 +194,5 @@ def test_held_out_problems_with_the_same_id_are_refused_before_anything_runs(tmp
     cfg = sim_config(tmp_path)
     test = arithmetic_split("test", 3)
     test[2] = dataclasses.replace(test[2], id=test[0].id)
-    with pytest.raises(ValueError, match=f"held-out problem ids are not unique \\({test[0].id}\\)"):
-        Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 20), test, None)
+    with pytest.raises(ValueError, match=f"eval set 'heldout' has repeated problem ids \\({test[0].id}\\)"):
+        Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 20), {"heldout": test}, None)

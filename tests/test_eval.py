@@ -1,6 +1,6 @@
 """`drpo eval` is training's own evaluation: on the base model folder it reproduces a run's
-start-of-run held-out accuracy, and on the run folder (its last checkpoint, exported) the
-end-of-run accuracy, with the same seed and settings (greedy decoding: no sampling noise)."""
+start-of-run greedy accuracy, and on the run folder (its last checkpoint, exported) the end-of-run
+one, with the same seed and settings (greedy decoding: no sampling noise)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ def test_drpo_eval_reproduces_the_runs_start_and_end_accuracy(ray_local, smollm2
 
     assert main(["eval", str(smollm2_folder), "--config", str(result.run_dir / "config.yaml"), "--out", str(tmp_path / "base.json")]) == 0
     base = json.loads((tmp_path / "base.json").read_text())
-    assert (base["accuracy"], base["samples"], base["prompts"]) == (start["accuracy"], start["samples"], start["prompts"])
-    assert base["settings"]["greedy"] is True and "held-out accuracy" in capsys.readouterr().out
+    held_out = lambda record: {k: record["sets"]["heldout"][k] for k in ("greedy", "prompts", "samples")}  # noqa: E731
+    assert held_out(base) == held_out(start) and base["samples"] == start["samples"]
+    assert base["settings"]["greedy"] is True and "eval set heldout" in capsys.readouterr().out
 
     assert main(["eval", str(result.run_dir)]) == 0
-    trained = json.loads((result.run_dir / "eval" / "step-000002-greedy-n1.json").read_text())
-    assert (trained["accuracy"], trained["samples"]) == (end["accuracy"], end["samples"])
+    trained = json.loads((result.run_dir / "eval" / "step-000002-t1-n1-greedy.json").read_text())
+    assert held_out(trained) == held_out(end)
     assert trained["model"].endswith("@step-000002")
 
 

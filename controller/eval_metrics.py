@@ -1,0 +1,58 @@
+"""Evaluation metrics of one eval set: mean@k, pass@k, greedy accuracy, response lengths, truncation.
+
+pass@k uses the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374, the HumanEval paper):
+from n samples of a prompt of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), the chance
+that k samples drawn without replacement from the n include a correct one; averaged over prompts.
+mean@k is the mean correctness of k samples per prompt (pass@1 averaged over k samples).
+"""
+
+from __future__ import annotations
+
+from math import comb
+from statistics import median
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (k <= n)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarize(sampled: list[list[float]], ks: list[int], lengths: list[int], truncated: list[bool], marked: list[bool]) -> dict:
+    """One eval set's sampled results: ``sampled`` holds each prompt's correctness per sample (0/1),
+    ``lengths``/``truncated``/``marked`` one entry per sample (response tokens, cut at the length
+    limit, answered after a final-answer marker). pass@k is reported for every k of ``ks`` that
+    every prompt has enough samples for."""
+    scores = [s for prompt in sampled for s in prompt]
+    n = min((len(p) for p in sampled), default=0)
+    out = {
+        "prompts": len(sampled), "samples": len(scores), "mean_at_k": sum(scores) / len(scores) if scores else 0.0, "k": n,
+        "response_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "response_tokens_median": float(median(lengths)) if lengths else 0.0, "response_tokens_max": max(lengths, default=0),
+        "truncated_frac": sum(truncated) / len(truncated) if truncated else 0.0,
+        "answer_marker_frac": sum(marked) / len(marked) if marked else 0.0,
+    }
+    for k in ks:
+        if sampled and k <= n:
+            out[f"pass_at_{k}"] = sum(pass_at_k(len(p), int(sum(p)), k) for p in sampled) / len(sampled)
+    return out
+
+
+def set_summary(groups: list, ks: list[int]) -> dict:
+    """One eval set's record from its result groups (rollout.records.Group with EvalTickets):
+    sampled groups give mean@k, pass@k and the response statistics, greedy ones ``greedy``
+    accuracy; failed groups are counted in ``failed`` and left out of the means."""
+    sampled = [g for g in groups if not g.ticket.greedy and g.error is None]
+    greedy = [g for g in groups if g.ticket.greedy and g.error is None]
+    samples = [s for g in sampled for s in g.samples]
+    out = summarize(
+        [list(g.scores) for g in sampled], ks, [len(s.completion.response_ids) for s in samples],
+        [s.completion.finish_reason == "length" for s in samples], [s.reward.marker not in (None, "last number") for s in samples],
+    )
+    out["failed"] = sum(g.error is not None for g in groups)
+    if greedy:
+        out["greedy"] = sum(g.scores[0] for g in greedy) / len(greedy)
+    return out

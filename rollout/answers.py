@@ -1,0 +1,125 @@
+"""Final-answer extraction: what a response answered, and which marker it answered after.
+
+A final-answer marker comes first — whichever of GSM8K's ``#### N``, ``The answer is N`` (also
+"final answer is", "Answer:") and ``\\boxed{N}`` stands last in the response — and, with none, the
+last number in the text (unless the caller requires a marker). After a marker the answer is the
+rest of its line, up to the end of the sentence, unwrapped from ``$...$`` / ``\\(...\\)`` and with a
+trailing unit word dropped ("12 apples." answers 12).
+
+Only the response's last TAIL_CHARS characters are read: a final answer stands at the end, and the
+work per response stays bounded whatever its length.
+
+Whether an answer may be compared, and how, is the reward's business (rollout/rewards.py): a
+*literal* is a number, a plain fraction or ``\\frac{a}{b}``; a *computation* is two numbers joined by
+an operator (``7 * 27``), which math-verify would evaluate and so score a restated question as
+correct (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+TAIL_CHARS = 16384
+"""Characters read from the end of a response (a final answer stands at the end; bounds the work)."""
+
+MAX_LITERAL_CHARS = 64
+"""Longer "numbers" are degenerate output (a run of digits), not answers; Python also refuses to
+convert integers of more than 4,300 digits."""
+
+NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?"
+_NUMBER_RE = re.compile(rf"-?\d+\s*/\s*\d+(?![\d.,])|{NUMBER}")  # a plain fraction counts as one number
+_LITERAL_RE = re.compile(rf"^\s*(?:{NUMBER})\s*$|^\s*-?\d+\s*/\s*\d+\s*$|^\s*-?\\[dt]?frac\{{-?\d+\}}\{{\d+\}}\s*$")
+_OPERATOR = r"(?:[-+*/×÷^·]|\\times|\\cdot|\\div)"
+_COMPUTATION_RE = re.compile(rf"(?<![\w^_.])\d+(?:\.\d+)?\s*{_OPERATOR}\s*-?\d")
+_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
+_ANSWER_IS_RE = re.compile(r"(?i)\b(?:the\s+)?(?:final\s+)?answer(?:\s+is|\s*:|\s*=)[ \t:]*([^\n]*)")
+_LEADING_ANSWER_RE = re.compile(rf"^((?:-?\d+\s*/\s*\d+)|(?:{NUMBER}))(?:\s*%|\s+[A-Za-z][\w\s.'-]*)?$")
+_BOXES = ("\\boxed{", "\\fbox{")
+
+Marker = Literal["####", "answer is", "boxed", "last number"]
+
+
+@dataclass(frozen=True)
+class Extracted:
+    answer: str
+    marker: Marker
+    """Where the answer came from: a final-answer marker, or the last number of the text."""
+
+
+def extract(text: str, require_marker: bool = False) -> Extracted | None:
+    """The response's final answer (see the module docstring); None when it gave none, or when its
+    last marker has nothing after it (the response was cut inside its answer)."""
+    tail = text[-TAIL_CHARS:]
+    found = [f for f in (_after_hash(tail), _after_answer_is(tail), _boxed(tail)) if f is not None]
+    if found:  # the last marker decides; one with nothing after it was cut short: no answer
+        return max(found, key=lambda f: f[0])[1]
+    if require_marker:
+        return None
+    numbers = _NUMBER_RE.findall(tail)
+    return Extracted(numbers[-1].replace(" ", ""), "last number") if numbers else None
+
+
+def is_literal(answer: str) -> bool:
+    """An integer, decimal (thousands separators allowed), plain fraction or ``\\frac{a}{b}``, of at
+    most MAX_LITERAL_CHARS characters."""
+    return len(answer) <= MAX_LITERAL_CHARS and bool(_LITERAL_RE.match(answer))
+
+
+def is_computation(answer: str) -> bool:
+    """Two numbers joined by an arithmetic operator (``7 * 27``, ``3+4``, ``2^10``): something to
+    evaluate, not an answer. ``3+\\sqrt{2}``, ``x^2+1`` and ``\\frac{1}{2}`` are not."""
+    return not is_literal(answer) and bool(_COMPUTATION_RE.search(answer))
+
+
+def _after_hash(tail: str):
+    last = None
+    for last in _HASH_RE.finditer(tail):
+        pass
+    return None if last is None else (last.start(), _answer(last.group(1), "####"))
+
+
+def _after_answer_is(tail: str):
+    last = None
+    for last in _ANSWER_IS_RE.finditer(tail):
+        pass
+    if last is None:
+        return None
+    rest = last.group(1)
+    sentence = re.split(r"(?<=[^\d\\])\.(?:\s|$)|\.\s", rest, maxsplit=1)[0]  # up to the sentence's end (not a decimal point)
+    return last.start(), _answer(sentence, "answer is")
+
+
+def _boxed(tail: str):
+    start = max(tail.rfind(box) for box in _BOXES)
+    if start < 0:
+        return None
+    opening = tail.index("{", start) + 1
+    depth = 1
+    for j in range(opening, len(tail)):
+        depth += {"{": 1, "}": -1}.get(tail[j], 0)
+        if depth == 0:
+            return start, _answer(tail[opening:j], "boxed")
+    return start, None  # unclosed: the response was cut inside its answer
+
+
+def _answer(raw: str, marker: Marker) -> Extracted | None:
+    s = _clean(raw)
+    if not s:
+        return None
+    leading = _LEADING_ANSWER_RE.match(s)
+    if leading and not is_literal(s):
+        s = leading.group(1).strip()
+    return Extracted(s, marker)
+
+
+def _clean(s: str) -> str:
+    s = s.strip().replace("**", "").strip()
+    for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(left) and s.endswith(right) and len(s) > len(left) + len(right) - 1:
+            s = s[len(left) : len(s) - len(right)].strip()
+    s = s.rstrip(".,;:!").strip()
+    s = re.sub(r"^(?:\\\$|\$)\s*", "", s)  # a currency sign
+    s = re.sub(r"\\(?:text|mathrm)\{\s*[A-Za-z][^{}]*\}\s*$", "", s).strip()  # a trailing unit
+    return s.rstrip(".,;:!").strip()
