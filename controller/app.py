@@ -45,7 +45,7 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
             size = task.test_size if name == "heldout" else task.extra_eval_size
             evals[name] = arithmetic_split(name, size, task.seed, task.max_operand)
     elif isinstance(task, WordProblemTask):
-        train = word_problem_split("train", task.train_size, task.level, task.seed, task.test_size)
+        train = word_problem_split("train", task.train_size, task.level, task.seed, task.test_size, tuple(task.eval_levels))
         evals["heldout"] = word_problem_split("test", task.test_size, task.level, task.seed)
         for level in task.eval_levels:
             evals[f"level-{level}"] = word_problem_split("test", task.test_size, level, task.seed)
@@ -55,8 +55,11 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
         if task.test_path:
             reports[task.test_path] = load_dataset(task.test_path, task.max_prompt_chars, task.format, task.instruction)
             evals["heldout"] = reports[task.test_path].problems
-    for extra in cfg.eval.sets:
-        reports[extra.path] = report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+    for i, extra in enumerate(cfg.eval.sets):
+        try:
+            reports[extra.path] = report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"eval.sets[{i}] ({extra.name}): {err}") from None
         evals[extra.name] = report.problems[: extra.limit]
     return train, evals, {path: r.skipped for path, r in reports.items() if r.skipped}
 
@@ -85,18 +88,19 @@ def make_backend(cfg: RunConfig):
 
 def train(
     cfg: RunConfig, resume: bool = False, backend=None, startup: dict[str, float] | None = None, overwrite: bool = False,
-    stop: StopRequest | None = None,
+    stop: StopRequest | None = None, loaded: tuple | None = None,
 ) -> RunResult:
     """Run (or with ``resume``, continue from the run folder's latest checkpoint) to ``train.steps``.
     A new run refuses a folder that holds another run unless ``overwrite`` (controller/run_folder.py).
     ``startup``: seconds already spent starting (e.g. ``ray_seconds``), for the start-up record.
-    ``stop``: set by the caller's signal handlers (controller/stop.py); the run then winds down early."""
+    ``stop``: set by the caller's signal handlers (controller/stop.py); the run then winds down early.
+    ``loaded``: ``problems(cfg)`` already loaded (the CLI loads them before Ray starts)."""
     began = time.monotonic()
     run_dir = Path(cfg.run_dir)
     if cfg.simulation is None and backend is None:
         check_layout(cfg)  # before the run folder is touched
+    train_set, eval_sets, skipped = loaded or problems(cfg)  # a missing or empty data file fails here, nothing written yet
     checkpoint = prepare(cfg, resume, overwrite)
-    train_set, eval_sets, skipped = problems(cfg)
     loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))
     try:
         backend = backend or make_backend(cfg)

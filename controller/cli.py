@@ -108,7 +108,7 @@ def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> s
 
 
 def _run(cfg, args: argparse.Namespace, stop) -> int:
-    from controller.app import check_layout, train
+    from controller.app import check_layout, problems, train
     from controller.backend import LearnerLost
     from controller.config import ConfigError
     from controller.run_folder import RunFolderError, StorageError
@@ -116,20 +116,22 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     from learner.checkpoint import CheckpointError
     from learner.placement import PlacementError
 
-    startup = {}
+    startup, loaded = {}, None
+    try:
+        loaded = problems(cfg)  # the data: before Ray starts or the run folder is touched
+        if cfg.simulation is None:
+            check_layout(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as err:  # bad data or layout; a missing or unsupported model
+        print(f"drpo train: {err}", file=sys.stderr)
+        return 2
     if cfg.simulation is None:
-        try:
-            check_layout(cfg)  # before Ray starts (seconds) or the run folder is touched
-        except (ConfigError, FileNotFoundError, ValueError) as err:  # a bad layout; a missing or unsupported model
-            print(f"drpo train: {err}", file=sys.stderr)
-            return 2
         began = time.monotonic()
         _init_ray(cfg)
         stop.install()  # ray.init took SIGTERM over
         startup["ray_seconds"] = time.monotonic() - began
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
     try:
-        result = train(cfg, resume=bool(args.resume), startup=startup, overwrite=args.overwrite, stop=stop)
+        result = train(cfg, resume=bool(args.resume), startup=startup, overwrite=args.overwrite, stop=stop, loaded=loaded)
     except (LearnerLost, StorageError, Stalled) as err:
         print(f"drpo train: {err}", file=sys.stderr)
         if isinstance(err, Stalled):
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
     ex.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weight dtype (default fp32, as trained)")
     ex.set_defaults(fn=_export)
-    ev = sub.add_parser("eval", help="held-out accuracy of a model folder or a run checkpoint (training's own evaluation)")
+    ev = sub.add_parser("eval", help="eval-set accuracy (mean@k, pass@k, greedy) of a model folder or a run checkpoint (training's own evaluation)")
     ev.add_argument("path", metavar="MODEL_DIR_OR_RUN_DIR")
     ev.add_argument("--step", type=int, help="a run folder's checkpoint step (default: the latest complete one)")
     ev.add_argument("--config", help="run config for a model folder: task, engine, eval settings (default: the embedded default)")

@@ -58,6 +58,12 @@ class WordProblemTask(_Config):
     )
     seed: int = Field(0, description="Seed of the problem generator.")
 
+    @model_validator(mode="after")
+    def _other_levels(self) -> "WordProblemTask":
+        if self.level in self.eval_levels or len(set(self.eval_levels)) != len(self.eval_levels):
+            raise ValueError(f"task.eval_levels {self.eval_levels} must be other levels than task.level={self.level}, each once")
+        return self
+
     def eval_set_names(self) -> list[str]:
         return ["heldout"] + [f"level-{n}" for n in self.eval_levels]
 
@@ -97,6 +103,13 @@ class EvalSetFile(_Config):
     format: DatasetFormat = Field("auto", description="Row format (see task.format).")
     instruction: str | None = Field(None, description="Appended to every prompt; None: the format's default.")
     limit: int | None = Field(None, ge=1, description="Use only the first this many usable rows.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_record_key(cls, value: str) -> str:
+        if value in ("accuracy", "samples", "version", "prompts", "failed"):
+            raise ValueError(f"{value!r} names a field of the eval record itself; choose another eval set name")
+        return value
 
 
 class ChaosConfig(_Config):

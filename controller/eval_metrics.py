@@ -56,3 +56,11 @@ def set_summary(groups: list, ks: list[int]) -> dict:
     if greedy:
         out["greedy"] = sum(g.scores[0] for g in greedy) / len(greedy)
     return out
+
+
+def describe_set(start: dict, last: dict) -> str:
+    """mean@k, pass@k and greedy accuracy of one eval set, first -> last evaluation, in one line."""
+    keys = ["mean_at_k"] + sorted(k for k in last if k.startswith("pass_at_")) + (["greedy"] if "greedy" in last else [])
+    label = lambda k: f"mean@{last.get('k', '?')}" if k == "mean_at_k" else k.replace("_at_", "@")  # noqa: E731
+    parts = [f"{label(k)} {start[k]:.3f} → {last[k]:.3f}" if k in start else f"{label(k)} {last[k]:.3f}" for k in keys]
+    return ", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated"

@@ -306,7 +306,7 @@ class Controller:
         first = sets[next(iter(sets))]
         record = {
             "round": rnd, "step": self.step, "version": ev.version, "accuracy": first["mean_at_k"], "samples": first["samples"],
-            "prompts": first["prompts"], "failed": sum(s["failed"] for s in sets.values()), "min_version": min(versions, default=None),
+            "prompts": first["prompts"], "failed": first["failed"], "min_version": min(versions, default=None),
             "sets": sets,
         }
         self.eval_history.append(record)

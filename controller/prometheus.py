@@ -128,7 +128,7 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
         if base == "staleness/token_lag_hist":
             return "drpo_staleness_token_age_tokens", {"lag": index}
         return _name(base), {"bin": index}
-    if parts[0] == "eval" and parts[1] == "accuracy":
+    if key == "eval/accuracy":
         return "drpo_eval_accuracy_ratio", {}
     if parts[0] == "eval" and len(parts) == 3:
         return _eval_series(parts[1], parts[2])

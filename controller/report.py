@@ -9,6 +9,8 @@ have says so instead of failing (a simulated run has no gap, a PPO run no regula
 
 from __future__ import annotations
 
+from controller.eval_metrics import describe_set
+
 import base64
 import html
 import io
@@ -94,7 +96,7 @@ def _plot(name: str, ax, run: RunRecords) -> bool:
     if name == "reward":
         drawn = _lines(ax, steps, [("reward/mean", "train reward", "-o"), ("reward/accuracy", "train accuracy", "--")], "reward / accuracy")
         if run.evals:
-            ax.plot([e["step"] for e in run.evals], [e["accuracy"] for e in run.evals], "s-", label="held-out accuracy")
+            ax.plot([e["step"] for e in run.evals], [e["accuracy"] for e in run.evals], "s-", label="eval accuracy (first set, mean@k)")
             ax.legend(fontsize=7)
             drawn = True
         ax.set_title("reward and accuracy")
@@ -190,9 +192,9 @@ def _summary_rows(run: RunRecords) -> list[tuple[str, str]]:
             ("eval accuracy, first", f"{first['accuracy']:.3f} (step {first['step']}, n={first['samples']})"),
             ("eval accuracy, last", f"{final['accuracy']:.3f} (step {final['step']}, n={final['samples']})"),
         ]
-        for name, last in final.get("sets", {}).items():
+        for name, summary in final.get("sets", {}).items():
             start = first.get("sets", {}).get(name, {})
-            rows.append((f"eval set {name}, step {first['step']} → {final['step']}", _set_scores(start, last)))
+            rows.append((f"eval set {name}, step {first['step']} → {final['step']}", describe_set(start, summary)))
     rows += [(k, f"{v:g}") for k, v in sorted(last.items()) if k.startswith("ledger/")]
     objective = (run.config.get("learner", {}) or {}).get("objective")
     if objective:
@@ -203,14 +205,6 @@ def _summary_rows(run: RunRecords) -> list[tuple[str, str]]:
     if run.skipped:
         rows.append(("unreadable metrics lines", "; ".join(run.skipped[:5]) + (" …" if len(run.skipped) > 5 else "")))
     return rows
-
-
-def _set_scores(start: dict, last: dict) -> str:
-    """mean@k, pass@k and greedy accuracy of one eval set, first → last evaluation."""
-    keys = ["mean_at_k"] + sorted(k for k in last if k.startswith("pass_at_")) + (["greedy"] if "greedy" in last else [])
-    label = lambda k: f"mean@{last.get('k', '?')}" if k == "mean_at_k" else k.replace("_at_", "@")  # noqa: E731
-    parts = [f"{label(k)} {start[k]:.3f} → {last[k]:.3f}" if k in start else f"{label(k)} {last[k]:.3f}" for k in keys]
-    return ", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated"
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:

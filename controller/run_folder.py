@@ -114,10 +114,20 @@ def _at(tree: dict, dotted: str):
 
 
 def check_compatible(saved: dict, config: dict, source: Path) -> None:
-    """Refuse to resume under a config whose identity fields (IDENTITY) differ from ``saved``'s."""
+    """Refuse to resume under a config whose identity fields (IDENTITY) differ from ``saved``'s. A
+    field the saved config lacks was added since it was written and keeps its default."""
+    task = saved.get("task") or {}
+    if task.get("type", "arithmetic") == "arithmetic" and "extra_eval_size" not in task:
+        raise RunFolderError(
+            f"--resume: {source} was written before the arithmetic task kept its eval facts out of training (2026-12-01): "
+            "this version generates other training prompts under the same ids, so the run cannot continue its prompt "
+            "ledger. Start a new run (another run_dir, or --overwrite)"
+        )
     for field in IDENTITY:
         old, new = dotted(_at(saved, field), field), dotted(_at(config, field), field)
         for key in sorted(set(old) | set(new)):
+            if key not in old and key in new:
+                continue
             if old.get(key) != new.get(key):
                 raise RunFolderError(
                     f"--resume: {key} is {new.get(key)!r} in this config but the checkpoint was trained with {old.get(key)!r} "

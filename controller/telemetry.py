@@ -18,10 +18,16 @@ from pathlib import Path
 
 from controller.backend import PublishReport, TrainResult
 from controller.config import MetricsConfig
+from controller.eval_metrics import describe_set
 from controller.loggers import MetricLogger, numeric
 from controller.prometheus import PrometheusExporter
 from controller.staleness import LAG_BINS, StalenessStats
 from rollout.records import Group
+
+
+REASONS = ("correct", "wrong", "no_answer", "not_literal", "computation", "timeout", "error")
+"""Reward verdicts (rollout.rewards.RewardResult.reason); each step reports every one's share (a
+gauge that is not rewritten would keep its last value)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class Telemetry:
             "kind": "step", "step": r.step, "version": r.version, "time": now, "step_seconds": elapsed,
             "reward/mean": sum(rewards) / max(1, len(rewards)),
             "reward/accuracy": sum(x >= 1.0 for x in r.scores) / max(1, len(r.scores)),
-            **{f"reward/reason/{why}": r.reasons.count(why) / len(r.reasons) for why in sorted(set(r.reasons))},
+            **{f"reward/reason/{why}": r.reasons.count(why) / max(1, len(r.reasons)) for why in REASONS},
             **({"rollout/response_tokens_mean": sum(r.response_tokens) / len(r.response_tokens), "rollout/response_tokens_max":
                 max(r.response_tokens), "rollout/truncated_frac": sum(r.truncated) / len(r.truncated)} if r.response_tokens else {}),
             "learner/tokens": result.tokens, "learner/seconds": result.seconds,
@@ -201,14 +207,15 @@ class Telemetry:
         return ""
 
     def summary(self, eval_history: list[dict], ledger: dict[str, int], model_dir: Path | None = None) -> str:
-        """A plain-text table of the run: held-out accuracy first and last, throughput, gap, ledger."""
+        """A plain-text table of the run: eval accuracy first and last (and per eval set), throughput, gap, ledger."""
         rows = []
         if eval_history:
             first, last = eval_history[0], eval_history[-1]
             if len(eval_history) > 1:
-                label = "held-out accuracy, start" if first["version"] == 0 else "held-out accuracy, first evaluation"
+                label = "eval accuracy, start" if first["version"] == 0 else "eval accuracy, first evaluation"
                 rows.append((label, f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
-            rows.append(("held-out accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
+            rows.append(("eval accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
+            rows += [(f"eval set {name}", describe_set(first.get("sets", {}).get(name, {}), s)) for name, s in last.get("sets", {}).items()]
         if self.steps:
             def mean(key: str) -> float:  # over the steps that have it (a lag bucket can be empty)
                 got = [s[key] for s in self.steps if key in s and not math.isnan(s[key])]

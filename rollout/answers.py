@@ -33,8 +33,11 @@ _NUMBER_RE = re.compile(rf"-?\d+\s*/\s*\d+(?![\d.,])|{NUMBER}")  # a plain fract
 _LITERAL_RE = re.compile(rf"^\s*(?:{NUMBER})\s*$|^\s*-?\d+\s*/\s*\d+\s*$|^\s*-?\\[dt]?frac\{{-?\d+\}}\{{\d+\}}\s*$")
 _OPERATOR = r"(?:[-+*/×÷^·]|\\times|\\cdot|\\div)"
 _COMPUTATION_RE = re.compile(rf"(?<![\w^_.])\d+(?:\.\d+)?\s*{_OPERATOR}\s*-?\d")
-_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
-_ANSWER_IS_RE = re.compile(r"(?i)\b(?:the\s+)?(?:final\s+)?answer(?:\s+is|\s*:|\s*=)[ \t:]*([^\n]*)")
+_HASH_RE = re.compile(r"####[ \t]*(?=[-+$\\\d.])")  # before an answer only, not a markdown header ("#### Step 2")
+_ANSWER_IS_RE = re.compile(r"(?i)\b(?:the\s+)?(?:final\s+)?answer(?:\s+is|\s*:|\s*=)[ \t:]*")
+_LIKE_ANSWER_RE = re.compile(r"^\s*(?:\*\*)?\s*[-+$\\\d(.]")  # what follows a marker that states an answer (not prose)
+_SENTENCE_END_RE = re.compile(r"(?<=[^\d\\])\.(?:\s|$)|\.\s")  # a period that is not a decimal point
+_CLAUSE_END_RE = re.compile(r",\s|;|\s(?:because|since)\s")
 _LEADING_ANSWER_RE = re.compile(rf"^((?:-?\d+\s*/\s*\d+)|(?:{NUMBER}))(?:\s*%|\s+[A-Za-z][\w\s.'-]*)?$")
 _BOXES = ("\\boxed{", "\\fbox{")
 
@@ -50,10 +53,11 @@ class Extracted:
 
 def extract(text: str, require_marker: bool = False) -> Extracted | None:
     """The response's final answer (see the module docstring); None when it gave none, or when its
-    last marker has nothing after it (the response was cut inside its answer)."""
+    last marker has nothing after it (the response was cut inside its answer). A marker followed by
+    prose ("the answer is not clear") states no answer and is passed over."""
     tail = text[-TAIL_CHARS:]
-    found = [f for f in (_after_hash(tail), _after_answer_is(tail), _boxed(tail)) if f is not None]
-    if found:  # the last marker decides; one with nothing after it was cut short: no answer
+    found = _after_hash(tail) + _after_answer_is(tail) + _boxed(tail)
+    if found:  # the last marker decides
         return max(found, key=lambda f: f[0])[1]
     if require_marker:
         return None
@@ -73,35 +77,47 @@ def is_computation(answer: str) -> bool:
     return not is_literal(answer) and bool(_COMPUTATION_RE.search(answer))
 
 
-def _after_hash(tail: str):
-    last = None
-    for last in _HASH_RE.finditer(tail):
-        pass
-    return None if last is None else (last.start(), _answer(last.group(1), "####"))
+def _line_after(tail: str, end: int) -> str:
+    stop = tail.find("\n", end)
+    return tail[end : stop if stop >= 0 else len(tail)]
 
 
-def _after_answer_is(tail: str):
-    last = None
-    for last in _ANSWER_IS_RE.finditer(tail):
-        pass
-    if last is None:
-        return None
-    rest = last.group(1)
-    sentence = re.split(r"(?<=[^\d\\])\.(?:\s|$)|\.\s", rest, maxsplit=1)[0]  # up to the sentence's end (not a decimal point)
-    return last.start(), _answer(sentence, "answer is")
+def _after_hash(tail: str) -> list:
+    return [(m.start(), _answer(_line_after(tail, m.end()), "####")) for m in _HASH_RE.finditer(tail)]
 
 
-def _boxed(tail: str):
+def _after_answer_is(tail: str) -> list:
+    found = []
+    for m in _ANSWER_IS_RE.finditer(tail):
+        rest = _line_after(tail, m.end())
+        if not rest.strip():
+            found.append((m.start(), None))  # cut right after the marker
+        elif _LIKE_ANSWER_RE.match(rest):
+            found.append((m.start(), _answer_in_sentence(_SENTENCE_END_RE.split(rest, maxsplit=1)[0])))
+    return found
+
+
+def _answer_in_sentence(sentence: str) -> Extracted | None:
+    """The sentence's answer; a literal ending a clause first ("12, because 5+7" answers 12)."""
+    whole = _answer(sentence, "answer is")
+    if whole is not None and not is_literal(whole.answer):
+        clause = _answer(_CLAUSE_END_RE.split(sentence, maxsplit=1)[0], "answer is")
+        if clause is not None and is_literal(clause.answer):
+            return clause
+    return whole
+
+
+def _boxed(tail: str) -> list:
     start = max(tail.rfind(box) for box in _BOXES)
     if start < 0:
-        return None
+        return []
     opening = tail.index("{", start) + 1
     depth = 1
     for j in range(opening, len(tail)):
         depth += {"{": 1, "}": -1}.get(tail[j], 0)
         if depth == 0:
-            return start, _answer(tail[opening:j], "boxed")
-    return start, None  # unclosed: the response was cut inside its answer
+            return [(start, _answer(tail[opening:j], "boxed"))]
+    return [(start, None)]  # unclosed: the response was cut inside its answer
 
 
 def _answer(raw: str, marker: Marker) -> Extracted | None:
@@ -119,7 +135,8 @@ def _clean(s: str) -> str:
     for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right) and len(s) > len(left) + len(right) - 1:
             s = s[len(left) : len(s) - len(right)].strip()
-    s = s.rstrip(".,;:!").strip()
+    s = s.rstrip(".,;:!?").strip()
     s = re.sub(r"^(?:\\\$|\$)\s*", "", s)  # a currency sign
+    s = re.sub(r"^\+(?=\d)", "", s)  # an explicit plus sign
     s = re.sub(r"\\(?:text|mathrm)\{\s*[A-Za-z][^{}]*\}\s*$", "", s).strip()  # a trailing unit
     return s.rstrip(".,;:!").strip()

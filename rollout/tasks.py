@@ -35,7 +35,7 @@ _TEMPLATES = {
     "*": ("{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?", lambda a, b: a * b),
 }
 _OTHER_WORDINGS = {  # the "wording" eval set: phrasings never used in training
-    "+": "There are {a} {item} on a table and someone puts {b} more there. How many {item} are on the table?",
+    "+": "There are {a} {item} on a table and {name} puts {b} more there. How many {item} are on the table?",
     "-": "A jar holds {a} {item}. {name} takes {b} of them out. How many {item} remain in the jar?",
     "*": "Each of {a} bags holds {b} {item}. How many {item} are there in all the bags together?",
 }
@@ -56,10 +56,20 @@ def arithmetic_facts(low: int, high: int) -> list[tuple[int, str, int]]:
 
 
 def held_out_facts(seed: int = 0, max_operand: int = 9) -> set[tuple[int, str, int]]:
-    """The seeded HELD_OUT_FACT_SHARE of the training range's facts that training never sees."""
-    facts = arithmetic_facts(2, max_operand)
-    random.Random(f"{seed}-held-out-facts").shuffle(facts)
-    return set(facts[: max(1, round(HELD_OUT_FACT_SHARE * len(facts)))])
+    """About HELD_OUT_FACT_SHARE of the training range's facts, which training never sees: seeded
+    whole classes of facts that are the same fact (a + b and b + a, a * b and b * a), so no held-out
+    sum or product is trained on in the other order."""
+    classes: dict[tuple, list] = {}
+    for a, op, b in arithmetic_facts(2, max_operand):
+        classes.setdefault((op, *sorted((a, b))) if op in "+*" else (op, a, b), []).append((a, op, b))
+    keys = sorted(classes)
+    random.Random(f"{seed}-held-out-facts").shuffle(keys)
+    held, target = set(), HELD_OUT_FACT_SHARE * sum(len(v) for v in classes.values())
+    for key in keys:
+        if len(held) >= target:
+            break
+        held.update(classes[key])
+    return held
 
 
 def arithmetic_problem(rng: random.Random, index: int, split: str, facts: list[tuple[int, str, int]], wordings=None) -> Problem:

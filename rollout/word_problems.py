@@ -129,26 +129,27 @@ def word_problem(rng: random.Random, level: int) -> WordProblem:
     return WordProblem(start, tuple(steps), " ".join(sentences), level)
 
 
-def word_problem_split(split: str, size: int, level: int, seed: int = 0, test_size: int = 128) -> list[Problem]:
+def word_problem_split(split: str, size: int, level: int, seed: int = 0, test_size: int = 128, also_held_out: tuple[int, ...] = ()) -> list[Problem]:
     """``size`` problems of ``split`` ("train" or "test") at ``level``. The test split (``test_size``
-    problems) is drawn first; training skips every problem whose text or chain is in it."""
+    problems) is drawn first; training skips every problem whose text or chain is in it, or in the
+    test split of a level of ``also_held_out`` (those evaluated too)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if level not in LEVELS:
         raise ValueError(f"level must be one of {sorted(LEVELS)}, got {level}")
-    problems = word_problems(split, size, level, seed, test_size)
+    problems = word_problems(split, size, level, seed, test_size, also_held_out)
     return [Problem(f"word-L{level}-{split}-{i}", f"{wp.text} {WORD_INSTRUCTION}", str(wp.answer)) for i, wp in enumerate(problems)]
 
 
-def word_problems(split: str, size: int, level: int, seed: int = 0, test_size: int = 128) -> list[WordProblem]:
+def word_problems(split: str, size: int, level: int, seed: int = 0, test_size: int = 128, also_held_out: tuple[int, ...] = ()) -> list[WordProblem]:
     """The structured problems behind ``word_problem_split`` (tests recompute their answers)."""
-    def stream(name: str, count: int, exclude=None) -> list[WordProblem]:
-        rng, out = random.Random(f"word-{seed}-{level}-{name}"), []
+    def stream(name: str, count: int, exclude=None, at: int = level) -> list[WordProblem]:
+        rng, out = random.Random(f"word-{seed}-{at}-{name}"), []
         texts, chains = exclude or (set(), set())
         for _ in range(count * 100):
             if len(out) == count:
                 break
-            wp = word_problem(rng, level)
+            wp = word_problem(rng, at)
             if wp.text in texts or (wp.start, wp.steps) in chains:
                 continue
             out.append(wp)
@@ -159,4 +160,6 @@ def word_problems(split: str, size: int, level: int, seed: int = 0, test_size: i
     held_out = stream("test", size if split == "test" else test_size)
     if split == "test":
         return held_out
+    for other in also_held_out:
+        held_out += stream("test", test_size, at=other)
     return stream("train", size, ({wp.text for wp in held_out}, {(wp.start, wp.steps) for wp in held_out}))

@@ -22,6 +22,11 @@ EXTRACTION = [
     ("Thus the answer is \\boxed{42}.", ("42", "boxed")),  # the box stands last
     ("The answer is 12. Wait, no.\n#### 13", ("13", "####")),  # the last marker decides
     ("I think 5, then 8", ("8", "last number")),
+    ("Final Answer: The final answer is $12$. I hope it is correct.", ("12", "answer is")),  # Minerva's MATH format
+    ("the answer is 5.\n#### Step 2", ("5", "answer is")),  # a markdown header is no marker
+    ("the answer is not clear, but 7", ("7", "last number")),  # a marker in prose states no answer
+    ("The answer is 12, because 5+7", ("12", "answer is")),
+    ("The answer is +5?", ("5", "answer is")),
     ("The answer is", None),  # cut right after the marker
     ("so it is \\boxed{\\frac{1}{2}", None),  # cut inside the box
     ("no numbers at all", None),
@@ -83,7 +88,7 @@ def test_math_verify_scores_closed_forms_refuses_computations_and_stays_bounded(
         assert reward(megabyte, "12").score == 1.0 and len(megabyte) > 60 * TAIL_CHARS
         assert time.perf_counter() - started < 10
         reward.timeout_s = 0.0  # no time at all: the verifier is killed and the call still returns
-        assert reward("\\boxed{3}", "3").reason == "timeout"
+        assert any(reward("\\boxed{3}", "3").reason == "timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
         reward.timeout_s = 60.0
         assert reward("\\boxed{3}", "3").reason == "correct"  # a fresh verifier
     finally:

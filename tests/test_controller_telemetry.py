@@ -58,6 +58,6 @@ def test_drpo_train_simulate_writes_metrics_and_a_summary(tmp_path, capsys):
     assert {r["kind"] for r in lines} == {"startup", "step", "eval", "checkpoint"}
     assert all(r["staleness/lag_max"] <= 2 for r in steps)
     out = capsys.readouterr()
-    assert "held-out accuracy, start" in out.out and "ledger" in out.out
+    assert "eval accuracy, start" in out.out and "ledger" in out.out
     assert "step 6/6" in out.err  # the progress line
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "step-000006" / "controller.json").is_file()

@@ -49,7 +49,7 @@ def test_math_verify_reward_refuses_computations_and_is_time_bounded():
         assert time.perf_counter() - started < 10
         reward.timeout_s = 0.0  # no time at all: the verifier is killed and the call still returns
         started = time.perf_counter()
-        assert reward("\\boxed{3}", "3").reason == "timeout"
+        assert any(reward("\\boxed{3}", "3").reason == "timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
         assert time.perf_counter() - started < 6
         reward.timeout_s = 60.0  # and the next call gets a fresh verifier
         assert reward("\\boxed{3}", "3").reason == "correct"

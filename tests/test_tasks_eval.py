@@ -31,6 +31,8 @@ def test_no_heldout_text_or_fact_occurs_in_training_at_the_default_sizes():
     train_facts, test_facts = {fact_of(p.prompt) for p in train}, {fact_of(p.prompt) for p in test}
     assert not train_facts & test_facts  # README: the facts are disjoint, only names, items and templates are shared
     assert test_facts <= held_out_facts() and len(held_out_facts()) == 41  # a quarter of the 164 single-digit facts
+    swapped = {(b, op, a) for a, op, b in train_facts if op in "+*"}
+    assert not swapped & test_facts  # a held-out sum or product is not trained on in the other order either
     ranged = arithmetic_split("range", 64)
     assert all(min(fact_of(p.prompt)[::2]) >= 10 for p in ranged)  # operands never seen in training
     wording = arithmetic_split("wording", 64)
@@ -78,6 +80,10 @@ def test_word_problem_training_excludes_every_heldout_text_and_chain():
     train = word_problems("train", 2048, 2, test_size=128)
     assert not {wp.text for wp in train} & {wp.text for wp in test}
     assert not {(wp.start, wp.steps) for wp in train} & {(wp.start, wp.steps) for wp in test}
+    other_level = word_problems("test", 128, 1)  # evaluated too (task.eval_levels): held out as well
+    train = word_problems("train", 2048, 2, test_size=128, also_held_out=(1,))
+    assert not {(wp.start, wp.steps) for wp in train} & {(wp.start, wp.steps) for wp in other_level}
+    assert {(wp.start, wp.steps) for wp in word_problems("train", 2048, 2, test_size=128)} & {(wp.start, wp.steps) for wp in other_level}
     problems = word_problem_split("test", 4, 2)
     assert all(p.prompt.endswith('write "The answer is" followed by the number.') for p in problems)
 
