@@ -50,10 +50,14 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
         for level in task.eval_levels:
             evals[f"level-{level}"] = word_problem_split("test", task.test_size, level, task.seed)
     else:
-        reports[task.train_path] = load_dataset(task.train_path, task.max_prompt_chars, task.format, task.instruction)
+        for field, path in (("task.train_path", task.train_path), ("task.test_path", task.test_path)):
+            if path:
+                try:
+                    reports[path] = load_dataset(path, task.max_prompt_chars, task.format, task.instruction)
+                except (FileNotFoundError, ValueError) as err:
+                    raise type(err)(f"{field}: {err}") from None
         train = reports[task.train_path].problems
         if task.test_path:
-            reports[task.test_path] = load_dataset(task.test_path, task.max_prompt_chars, task.format, task.instruction)
             evals["heldout"] = reports[task.test_path].problems
     for i, extra in enumerate(cfg.eval.sets):
         try:

@@ -194,6 +194,10 @@ def _eval(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--step picks a run folder's checkpoint; {target} is a model folder")
             check_model_folder(target)
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
+        from controller.app import problems
+
+        if not any(problems(cfg)[1].values()):  # the data, before Ray starts
+            raise ConfigError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
         _init_ray(cfg)
         if is_run:
             result, folder = evaluate_run(target, args.step, cfg)
@@ -201,7 +205,7 @@ def _eval(args: argparse.Namespace) -> int:
         else:
             result = evaluate_folder(cfg, target)
             out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}-{result.tag()}.json")
-    except (CheckpointError, ConfigError, ValueError, FileExistsError) as err:
+    except (CheckpointError, ConfigError, ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"drpo eval: {err}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -244,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--step", type=int, help="a run folder's checkpoint step (default: the latest complete one)")
     ev.add_argument("--config", help="run config for a model folder: task, engine, eval settings (default: the embedded default)")
     ev.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set eval.greedy=true")
-    ev.add_argument("--out", help="JSON file to write (default RUN_DIR/eval/step-N.json, or ./eval-<model>.json)")
+    ev.add_argument("--out", help="JSON file to write (default RUN_DIR/eval/step-N-t<T>-n<k>[-greedy].json, or ./eval-<model>-t<T>-n<k>[-greedy].json)")
     ev.set_defaults(fn=_eval)
     rep = sub.add_parser("report", help="write a self-contained HTML (and PNG) report of a run folder")
     rep.add_argument("run_dir", metavar="RUN_DIR")

@@ -138,9 +138,9 @@ class MathVerifyReward:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_verify_loop, args=(child,), daemon=True)
-        self._proc.start()
-        self._conn = parent
+        proc = ctx.Process(target=_verify_loop, args=(child,), daemon=True)
+        proc.start()  # spawn: the calling script needs an `if __name__ == "__main__":` guard
+        self._proc, self._conn = proc, parent
 
     def _kill(self) -> None:
         if self._proc is not None:

@@ -126,7 +126,7 @@ def row_format(row: dict) -> str:
         return "dapo"
     if "question" in row and isinstance(row.get("answer"), str) and "####" in row["answer"]:
         return "gsm8k"
-    if "problem" in row and "\\boxed" in str(row.get("solution", "")):
+    if "problem" in row and any(box in str(row.get("solution", "")) for box in ("\\boxed", "\\fbox")):
         return "math"
     if "problem" in row and re.fullmatch(r"\s*-?\d+\s*", str(row.get("answer", ""))) and "solution" not in row:
         return "aime"
@@ -166,7 +166,14 @@ def _row_answer(row: dict, fmt: str) -> str:
         return str(int(answer))
     reward_model = row.get("reward_model")
     answer = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    answer = answer if answer is not None else row.get("answer", row.get("solution", row.get("ground_truth")))
+    answer = answer if answer is not None else row.get("answer", row.get("ground_truth"))
+    solution = str(row.get("solution", "")).strip()
+    if answer is None and " " in solution:  # a worked solution: its final answer, after a marker
+        found = extract(solution, require_marker=True)
+        if found is None:
+            raise ValueError("no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")
+        return found.answer
+    answer = answer if answer is not None else (solution or None)  # a solution that is just the answer
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         raise ValueError("no ground truth (expected reward_model.ground_truth, 'answer', 'solution' or 'ground_truth')")
     return str(answer).strip()
@@ -197,6 +204,8 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFor
     1-based row number; nothing raises for them. An empty result raises, naming the file and the
     first reasons."""
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"dataset {path} is a folder; give the .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     problems, skipped = [], []
@@ -216,5 +225,5 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFor
         except ValueError as err:
             skipped.append((number, str(err)))
     if not problems:
-        raise ValueError(f"dataset {path} has no usable rows; first problems: {skipped[:3]}")
+        raise ValueError(f"dataset {path} has no rows" if not skipped else f"dataset {path} has no usable rows; first problems: {skipped[:3]}")
     return LoadReport(problems, skipped)

@@ -66,7 +66,8 @@ def test_every_readme_train_line_runs_simulated(tmp_path):
         if "--config" in words:  # a cluster preset's run_dir and data are on shared storage: stand-ins here
             rows = "".join(json.dumps({"id": f"q{k}", "prompt": f"What is {k} + 1?", "answer": str(k + 1)}) + "\n" for k in range(40))
             (cwd / "data.jsonl").write_text(rows)
-            extra += ["--set", "run_dir=runs/default", "--set", "task.train_path=data.jsonl", "--set", "task.test_path=data.jsonl"]
+            extra += ["--set", "run_dir=runs/default", "--set", "task.train_path=data.jsonl", "--set", "task.test_path=data.jsonl",
+                      "--set", "eval.sets=[{name: aime-2024, path: data.jsonl}]"]
         run_dir = cwd / "runs" / "default"
         before = len(steps(run_dir)) if (run_dir / "metrics.jsonl").is_file() else 0
         done = run([*words, "--simulate", *QUIET, *extra], cwd)

@@ -149,3 +149,16 @@ def test_an_eval_set_summary_reports_mean_and_pass_at_k_lengths_and_truncation()
     assert out["pass_at_4"] == pytest.approx(sum(any(p) for p in sampled) / 10)  # k = n: any correct
     assert (out["response_tokens_mean"], out["response_tokens_median"], out["response_tokens_max"]) == (25.0, 25.0, 40)
     assert out["truncated_frac"] == 0.25 and out["answer_marker_frac"] == 1.0 and out["prompts"] == 10
+
+
+def test_auto_rows_with_a_worked_solution_take_its_final_answer_or_are_skipped(tmp_path):
+    rows = tmp_path / "mixed.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        {"problem": "What is 3+4?", "solution": "We add them, so the answer is 7."},
+        {"problem": "What is 5+5?", "solution": "We add them and get ten"},
+        {"problem": "What is 2+2?", "solution": "4"},
+        {"problem": "Box it", "solution": "So \\fbox{9}"},
+    ]) + "\n")
+    report = load_dataset(rows)
+    assert [p.ground_truth for p in report.problems] == ["7", "4", "9"]
+    assert report.skipped == [(2, "no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")]

@@ -4,22 +4,34 @@ publications loaded into the hf engine's fused expert layout bit for bit, an exa
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import ray
+
 from controller.app import train
+from controller.config import DatasetTask
 from tests.test_controller_e2e import records, run_config
-from tests.test_faults import exact
+from tests.fault_checks import assert_ledger_exact
 from tests.test_weight_sync import one_learner_step, served_equals_learner
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
 
+DIGIT_IDS = [f"d{i}" for i in range(64)]
+
+
 def moe_config(tmp_path, model, steps=4, engine="hf", **learner):
     cfg = run_config(tmp_path, model, steps=steps)
+    # one-digit answers: the tiny model replies with a digit, so some samples are right by chance and
+    # groups have reward variance (gradients) whatever the arithmetic task's facts are
+    rows = tmp_path / "digits.jsonl"
+    rows.write_text("".join(json.dumps({"id": DIGIT_IDS[i], "prompt": f"Say the digit {i % 10}.", "answer": str(i % 10)}) + "\n" for i in range(64)))
+    cfg = cfg.model_copy(update={"task": DatasetTask(train_path=str(rows), test_path=str(rows))})
     return cfg.model_copy(update={
         "rollout": cfg.rollout.model_copy(update={
-            "engine": engine, "cpus_per_worker": 0.5, "max_new_tokens": 6,
-            "kv_cache_gib": 0.25 if engine == "vllm" else None, "engine_kwargs": {"max_model_len": 256} if engine == "vllm" else {},
+            "engine": engine, "cpus_per_worker": 0.5, "max_new_tokens": 6, "kv_cache_gib": 0.25 if engine == "vllm" else None, "engine_kwargs": {"max_model_len": 256} if engine == "vllm" else {},
         }),
         "learner": cfg.learner.model_copy(update={
             "parallel": cfg.learner.parallel.model_copy(update={"data": 2, "expert": 2}), "precision": "fp32", **learner,
@@ -65,7 +77,7 @@ def test_moe_trains_async_with_expert_parallel_2(ray_local, tiny_moe_model, tmp_
     assert max(s["staleness/lag_max"] for s in steps) >= 1  # async: samples from an older version trained
     lag0 = [s["gap/numerics/abs_shift_mean"] for s in steps if s.get("gap/numerics/abs_shift_mean") == s.get("gap/numerics/abs_shift_mean")]
     assert lag0 and max(lag0) < 0.05  # mu at lag 0 matches the learner's pi within the fp32 pair's numerics
-    exact(cfg)
+    assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 
 @pytest.mark.parametrize("replay", [False, True])
@@ -76,7 +88,7 @@ def test_moe_trains_with_and_without_routing_replay(ray_local, tiny_moe_model, t
     assert len(steps) == 4
     assert all(s["gap/routing_replayed_frac"] == float(replay) for s in steps)
     assert all(0.0 <= s["gap/routing_disagreement_frac"] <= 1.0 for s in steps)  # measured either way
-    exact(cfg)
+    assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 
 def test_vllm_refuses_to_record_routing_without_a_gpu(tiny_moe_model):
@@ -120,4 +132,4 @@ def test_moe_trains_with_packed_micro_batches_on_one_rank(ray_local, tiny_moe_mo
     train(cfg)
     steps = records(tmp_path / "run", "step")
     assert len(steps) == 3 and not any("gap/routing_disagreement_frac" in s for s in steps)
-    exact(cfg)
+    assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
