@@ -40,6 +40,8 @@ _SENTENCE_END_RE = re.compile(r"(?<=[^\d\\])\.(?:\s|$)|\.\s")  # a period that i
 _CLAUSE_END_RE = re.compile(r",\s|;|\s(?:because|since)\s")
 _LEADING_ANSWER_RE = re.compile(rf"^((?:-?\d+\s*/\s*\d+)|(?:{NUMBER}))(?:\s*%|\s+[A-Za-z][\w\s.'-]*)?$")
 _BOXES = ("\\boxed{", "\\fbox{")
+TRAILING = ".,;:!?"
+"""Punctuation that ends a sentence, not an answer."""
 
 Marker = Literal["####", "answer is", "boxed", "last number"]
 
@@ -135,8 +137,8 @@ def _clean(s: str) -> str:
     for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right) and len(s) > len(left) + len(right) - 1:
             s = s[len(left) : len(s) - len(right)].strip()
-    s = s.rstrip(".,;:!?").strip()
+    s = s.rstrip(TRAILING).strip()
     s = re.sub(r"^(?:\\\$|\$)\s*", "", s)  # a currency sign
     s = re.sub(r"^\+(?=\d)", "", s)  # an explicit plus sign
     s = re.sub(r"\\(?:text|mathrm)\{\s*[A-Za-z][^{}]*\}\s*$", "", s).strip()  # a trailing unit
-    return s.rstrip(".,;:!").strip()
+    return s.rstrip(TRAILING).strip()

@@ -52,12 +52,6 @@ class RewardFn(Protocol):
     def __call__(self, completion: str, ground_truth: str) -> RewardResult: ...
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of ``text`` (rollout.answers.extract), or None."""
-    found = extract(text)
-    return None if found is None else found.answer
-
-
 def literal_value(answer: str) -> Fraction:
     """Exact value of a literal answer (see ``is_literal``)."""
     s = answer.strip().replace(",", "")

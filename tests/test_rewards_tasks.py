@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from rollout.rewards import LiteralNumberReward, MathVerifyReward, extract_answer, is_literal
+from rollout.answers import extract
+from rollout.rewards import LiteralNumberReward, MathVerifyReward, is_literal
 from rollout.tasks import arithmetic_split, load_dataset
 
 
@@ -23,7 +24,8 @@ from rollout.tasks import arithmetic_split, load_dataset
     ],
 )
 def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+    found = extract(text)
+    assert (None if found is None else found.answer) == expected
 
 
 def test_literal_number_reward_scores_each_kind_of_answer():

@@ -15,6 +15,10 @@ from controller.eval_metrics import pass_at_k, summarize
 from rollout.tasks import arithmetic_split, held_out_facts, load_dataset
 from rollout.word_problems import LEVELS, word_problem_split, word_problems
 
+def write_rows(path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 # ---- arithmetic -------------------------------------------------------------------------------------
 
 
@@ -93,11 +97,11 @@ def test_word_problem_training_excludes_every_heldout_text_and_chain():
 
 def test_gsm8k_math_and_aime_rows_load_with_their_answers_and_instructions(tmp_path):
     gsm8k = tmp_path / "gsm8k.jsonl"
-    gsm8k.write_text("\n".join(json.dumps(r) for r in [
+    write_rows(gsm8k, [
         {"question": "Ann has 3 pens and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
         {"question": "A big sum?", "answer": "So it is\n#### 1,234"},
         {"question": "No final line", "answer": "7"},
-    ]) + "\n")
+    ])
     report = load_dataset(gsm8k, fmt="gsm8k")
     assert [p.ground_truth for p in report.problems] == ["7", "1234"]
     assert report.problems[0].prompt.endswith('output the final answer after "####".')
@@ -106,16 +110,16 @@ def test_gsm8k_math_and_aime_rows_load_with_their_answers_and_instructions(tmp_p
     assert [p.ground_truth for p in auto.problems] == ["7", "1234", "7"] and auto.problems[2].prompt == "No final line"
 
     math = tmp_path / "math.jsonl"
-    math.write_text("\n".join(json.dumps(r) for r in [
+    write_rows(math, [
         {"problem": "Compute 1/2 + 1/4.", "solution": "We get $\\frac{1}{2}+\\frac{1}{4} = \\boxed{\\frac{3}{4}}$."},
         {"problem": "No box", "solution": "It is 3.", "answer": "3"},
-    ]) + "\n")
+    ])
     report = load_dataset(math, fmt="math")
     assert [p.ground_truth for p in report.problems] == ["\\frac{3}{4}", "3"]
     assert "\\boxed{}" in report.problems[0].prompt
 
     aime = tmp_path / "aime.jsonl"
-    aime.write_text("\n".join(json.dumps(r) for r in [{"problem": "Find N.", "answer": 204}, {"problem": "Bad", "answer": "1/2"}]) + "\n")
+    write_rows(aime, [{"problem": "Find N.", "answer": 204}, {"problem": "Bad", "answer": "1/2"}])
     report = load_dataset(aime, fmt="aime", instruction="")
     assert [(p.prompt, p.ground_truth) for p in report.problems] == [("Find N.", "204")]
     assert report.skipped == [(2, "AIME answers are integers, got '1/2'")]
@@ -153,12 +157,12 @@ def test_an_eval_set_summary_reports_mean_and_pass_at_k_lengths_and_truncation()
 
 def test_auto_rows_with_a_worked_solution_take_its_final_answer_or_are_skipped(tmp_path):
     rows = tmp_path / "mixed.jsonl"
-    rows.write_text("\n".join(json.dumps(r) for r in [
+    write_rows(rows, [
         {"problem": "What is 3+4?", "solution": "We add them, so the answer is 7."},
         {"problem": "What is 5+5?", "solution": "We add them and get ten"},
         {"problem": "What is 2+2?", "solution": "4"},
         {"problem": "Box it", "solution": "So \\fbox{9}"},
-    ]) + "\n")
+    ])
     report = load_dataset(rows)
     assert [p.ground_truth for p in report.problems] == ["7", "4", "9"]
     assert report.skipped == [(2, "no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")]
