@@ -58,11 +58,13 @@ class BatchBuilder:
         mask = rows.response_mask
         n, width = mask.shape
         lag = torch.zeros((n, width), dtype=torch.long)
+        context_lag = torch.zeros((n, width), dtype=torch.long)
         top_ids = torch.zeros((n, width, self.topk), dtype=torch.long) if self.topk else None
         top_logp = torch.zeros((n, width, self.topk)) if self.topk else None
         for i, c in enumerate(completions):
             p, r = len(c.prompt_ids), len(c.response_ids)
             lag[i, p : p + r] = version - c.versions
+            context_lag[i, p : p + r] = version - c.prompt_version
             if self.topk and r:
                 if c.topk_ids is None or c.topk_ids.shape != (r, self.topk):
                     raise ValueError(f"a sample has no engine top-{self.topk} log-probs (got {None if c.topk_ids is None else tuple(c.topk_ids.shape)})")
@@ -70,7 +72,7 @@ class BatchBuilder:
         per_group = torch.where(mask, lag, -1).amax(dim=1).view(len(groups), -1).amax(dim=1)
         counts = lag[mask].clamp(max=LAG_BINS - 1).bincount(minlength=LAG_BINS).tolist()
         train = replace(
-            rows, advantages=seq_adv[:, None] * mask, version_lag=lag, rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
+            rows, advantages=seq_adv[:, None] * mask, version_lag=lag, context_lag=context_lag, rollout_topk_ids=top_ids, rollout_topk_logp=top_logp, version=version,
         )
         spanning = sum(len(c.versions) > 0 and bool(c.versions.min() != c.versions.max()) for c in completions)
         metrics = {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}

@@ -4,7 +4,7 @@ Every step's namespaced keys (``gap/numerics/abs_shift_p99``, ``staleness/lag_hi
 ``ledger/trained`` …) map to Prometheus families following its conventions: a ``drpo_`` prefix,
 base units in the name (``_seconds``, ``_tokens``), ``_ratio`` for fractions, ``_total`` for counters,
 and labels instead of name parts for the version lag of a gap metric (``lag="0"`` numerics,
-``lag="1+"`` staleness, ``lag="all"``), histogram bins (``bin``) and ledger outcomes (``outcome``).
+``lag="0-inflight"`` lag-0 tokens of a request an update landed in, ``lag="1+"`` staleness, ``lag="all"``), histogram bins (``bin``) and ledger outcomes (``outcome``).
 ``gap/*`` is always the learner's pi at consumption against mu from the engine; ``gap/proximal/*``
 (pi during the updates against pi at consumption: the batch's own drift, with the decoupled anchor or
 several mini-batches) is its own family, ``drpo_gap_proximal_*``.
@@ -37,7 +37,7 @@ _GAP = {
 }
 
 CATALOG: dict[str, Family] = {
-    **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap, learner pi vs engine mu: {h}; label lag = 0 (numerics), 1+ (staleness), all") for k, h in _GAP.items()},
+    **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap, learner pi vs engine mu: {h}; label lag = 0 (numerics), 0-inflight (lag 0, request began under older weights), 1+ (staleness), all") for k, h in _GAP.items()},
     **{
         f"drpo_gap_proximal_{k}": Family(f"drpo_gap_proximal_{k}", "gauge", f"The batch's own drift: {h.replace('mu', 'pi_prox')}, pi vs pi at consumption (decoupled anchor or several mini-batches)")
         for k, h in _GAP.items() if k != "entropy_mean"
@@ -99,7 +99,7 @@ _RENAMES = {
     "learner/tokens": "drpo_learner_step_tokens", "last_step_timestamp_seconds": "drpo_last_step_timestamp_seconds",
     "staleness/accepted": "drpo_staleness_accepted", "staleness/admitted": "drpo_staleness_admitted",
 }
-_LAG_LABEL = {"numerics": "0", "staleness": "1+"}
+_LAG_LABEL = {"numerics": "0", "inflight": "0-inflight", "staleness": "1+"}
 
 
 def _name(path: str) -> str:

@@ -106,6 +106,7 @@ def _plot(name: str, ax, run: RunRecords) -> bool:
         return _lines(ax, steps, [
             ("gap/numerics/abs_shift_mean", "mean, lag 0 (numerics)", "-o"), ("gap/staleness/abs_shift_mean", "mean, lag ≥ 1 (staleness)", "-s"),
             ("gap/numerics/abs_shift_p99", "p99, lag 0", ":"), ("gap/staleness/abs_shift_p99", "p99, lag ≥ 1", "--"),
+            ("gap/inflight/abs_shift_mean", "mean, lag 0 after an update mid-request", "-^"),
         ], "|π − μ|")
     if name == "regularizer":
         ax.set_title("regularizer")

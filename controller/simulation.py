@@ -80,7 +80,7 @@ class SimulatedBackend(Backend):
             length, k = self.cfg.tokens_per_sample, self.topk
             self._completions[version] = Completion(
                 torch.arange(PROMPT_TOKENS), torch.arange(length) % 7 + PROMPT_TOKENS, torch.full((length,), SIMULATED_LOGP),
-                torch.full((length,), version), "stop",
+                torch.full((length,), version), "stop", version,
                 topk_ids=torch.arange(k).repeat(length, 1) if k else None, topk_logp=torch.full((length, k), SIMULATED_LOGP - 1) if k else None,
             )
         return self._completions[version]

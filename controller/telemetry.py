@@ -230,6 +230,7 @@ class Telemetry:
                 ("rollout response tokens/s", f"{mean('rollout/tokens_per_second'):.1f}"),
                 ("train reward, first -> last step", f"{self.steps[0]['reward/mean']:.3f} -> {self.steps[-1]['reward/mean']:.3f}"),
                 ("|pi-mu| mean, lag 0 (numerics)", f"{mean('gap/numerics/abs_shift_mean'):.5f}"),
+                ("|pi-mu| mean, lag 0 after an update mid-request", f"{mean('gap/inflight/abs_shift_mean'):.5f}"),
                 ("|pi-mu| mean, lag >= 1 (staleness)", f"{mean('gap/staleness/abs_shift_mean'):.5f}"),
                 ("corrective fraction", f"{mean('objective/corrective_frac'):.5f}"),
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),

@@ -15,7 +15,7 @@ OUT = Path(__file__).parent / "grafana" / "dashboards"
 LAG = "lag {{lag}}"
 
 DASHBOARDS = {
-    "drpo-offpolicy-gap": ("drpo — off-policy gap, learner π vs engine μ (numerics: lag 0, staleness: lag 1+)", [
+    "drpo-offpolicy-gap": ("drpo — off-policy gap, learner π vs engine μ (numerics: lag 0, inflight: lag 0 after an update mid-request, staleness: lag 1+)", [
         ("|π−μ| mean by version lag", [("drpo_gap_abs_shift_mean", LAG)], "none"),
         ("|π−μ| p99 by version lag", [("drpo_gap_abs_shift_p99", LAG)], "none"),
         ("|π−μ| max by version lag", [("drpo_gap_abs_shift_max", LAG)], "none"),

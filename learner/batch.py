@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-_PER_TOKEN = ("response_mask", "rollout_logp", "advantages", "version_lag", "proximal_logp")
+_PER_TOKEN = ("response_mask", "rollout_logp", "advantages", "version_lag", "context_lag", "proximal_logp")
 _TOP_K = ("rollout_topk_ids", "rollout_topk_logp", "proximal_topk_logp")
 
 
@@ -36,6 +36,11 @@ class TrainBatch:
     version_lag: torch.Tensor | None = None
     """[N, S] int64 learner version minus the version that sampled each token (optional): splits
     the gap metrics into numerics (lag 0) and staleness (lag >= 1)."""
+    context_lag: torch.Tensor | None = None
+    """[N, S] int64 learner version minus the version its prompt was submitted at (optional, with
+    ``version_lag``; >= it). Larger than ``version_lag`` where an update landed mid-request: the
+    token was sampled by newer weights attending to KV computed with older ones, so a lag-0 token's
+    gap is not the engine's numerics alone (reported apart, as ``inflight``)."""
     rollout_topk_ids: torch.Tensor | None = None
     """[N, S, K] int64 ids of the engine's K most likely tokens at each position (Top-K objectives)."""
     rollout_topk_logp: torch.Tensor | None = None

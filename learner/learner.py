@@ -305,7 +305,7 @@ class Learner:
         consumed = logp if mb.proximal_logp is None else mb.proximal_logp
         acc.add("gap/", gap_metrics(consumed, mb.rollout_logp, mask, delta, entropy=stats.entropy))
         if mb.version_lag is not None:
-            by_lag = gap_metrics_by_lag(consumed, mb.rollout_logp, mb.version_lag, mask, delta)
+            by_lag = gap_metrics_by_lag(consumed, mb.rollout_logp, mb.version_lag, mask, delta, mb.context_lag)
             acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})
         if mb.proximal_logp is not None:
             acc.add("gap/proximal/", gap_metrics(logp, mb.proximal_logp, mask, delta))

@@ -1,9 +1,11 @@
 """Off-policy gap diagnostics between the learner pi and the behaviour policy mu.
 
 Every metric is computed on the sampled tokens (the only place mu is known) and returned as a
-``Metric`` with its reduction. With ``version_lag`` the gap is split in two, which must always be
+``Metric`` with its reduction. With ``version_lag`` the gap is split, and the parts must always be
 reported apart: lag 0 (``numerics``: engine vs learner arithmetic, same weights) and lag >= 1
-(``staleness``: the sample came from older weights). Nothing here syncs with the host.
+(``staleness``: the sample came from older weights). With ``context_lag`` as well, lag-0 tokens
+whose request began under older weights (an in-flight update kept its older KV) are taken out of
+``numerics`` into ``inflight``. Nothing here syncs with the host.
 """
 
 from __future__ import annotations
@@ -78,14 +80,23 @@ def gap_metrics_by_lag(
     version_lag: torch.Tensor,
     mask: torch.Tensor | None = None,
     delta: float | None = None,
+    context_lag: torch.Tensor | None = None,
 ) -> dict[str, Metric]:
-    """gap_metrics split into ``numerics/`` (lag 0) and ``staleness/`` (lag >= 1), plus ``all/``.
+    """gap_metrics split into ``numerics/`` (lag 0), ``staleness/`` (lag >= 1) and, with
+    ``context_lag``, ``inflight/`` (lag 0, prompt from an older version), plus ``all/``.
 
-    ``version_lag`` [B, T] is learner version minus the policy version that produced each token.
+    ``version_lag`` [B, T] is learner version minus the policy version that produced each token;
+    ``context_lag`` [B, T] learner version minus the version its request's prompt was submitted at.
     """
     valid = torch.ones_like(policy_logp, dtype=torch.bool) if mask is None else mask.bool()
+    lag0 = valid & (version_lag == 0)
+    parts = [("all", valid), ("staleness", valid & (version_lag >= 1))]
+    if context_lag is None:
+        parts.append(("numerics", lag0))
+    else:
+        parts += [("numerics", lag0 & (context_lag == 0)), ("inflight", lag0 & (context_lag > 0))]
     out: dict[str, Metric] = {}
-    for prefix, part in (("all", valid), ("numerics", valid & (version_lag == 0)), ("staleness", valid & (version_lag >= 1))):
+    for prefix, part in parts:
         for key, metric in gap_metrics(policy_logp, rollout_logp, part, delta).items():
             out[f"{prefix}/{key}"] = metric
     return out

@@ -77,6 +77,10 @@ class Completion:
     versions: torch.Tensor
     """int64 policy version of the weights that sampled each token."""
     finish_reason: Literal["stop", "length"]
+    prompt_version: int
+    """Policy version served when the prompt was submitted. Engines keep the KV cache already
+    computed across an in-flight update, so a token sampled by newer weights (``versions`` above
+    this) attended to context computed with older ones: its mu is neither version's exactly."""
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None

@@ -150,6 +150,8 @@ class HFEngine(Engine):
             self._running.wait()
             self._apply_pending()
             positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_input.shape[1]:]
+            if step == 0:
+                prompt_version = self.version  # the prompts' KV, kept for the whole call
             out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
             past = getattr(out, self._cache_arg)
             logits = out.logits[:, -1]
@@ -169,9 +171,9 @@ class HFEngine(Engine):
                 break
             step_input = token[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        return self._package(prompts, params, rows, tokens, logps, versions, tops, width)
+        return self._package(prompts, params, rows, tokens, logps, versions, tops, width, prompt_version)
 
-    def _package(self, prompts, params, rows, tokens, logps, versions, tops, width: int) -> list[list[Completion]]:
+    def _package(self, prompts, params, rows, tokens, logps, versions, tops, width: int, prompt_version: int) -> list[list[Completion]]:
         tokens, logps, versions = torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(versions, 1)
         out: list[list[Completion]] = [[] for _ in prompts]
         lengths, stopped = [], []
@@ -189,7 +191,7 @@ class HFEngine(Engine):
                     response_ids=tokens[i, :length].clone(),
                     rollout_logp=logps[i, :length].clone(),
                     versions=versions[i, :length].clone(),
-                    finish_reason="stop" if stopped[i] else "length",
+                    finish_reason="stop" if stopped[i] else "length", prompt_version=prompt_version,
                     topk_ids=torch.stack([t.indices[i] for t in tops[:length]]) if tops else None,
                     topk_logp=torch.stack([t.values[i] for t in tops[:length]]) if tops else None,
                     routed_experts=routed[i],

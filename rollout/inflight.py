@@ -154,6 +154,8 @@ class TokenStream:
 
     def __init__(self, served: ServedWeights, topk: int = 0):
         self.served, self.topk = served, topk
+        self.prompt_version = served.version
+        """The version served when the request was submitted (its prompt KV may come from it)."""
         self.ids: list[int] = []
         self.logp: list[float] = []
         self.top_ids: list[list[int]] = []
@@ -189,7 +191,7 @@ class TokenStream:
         return Completion(
             prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(self.ids, dtype=torch.long),
             rollout_logp=torch.tensor(self.logp, dtype=torch.float32), versions=torch.tensor(self.versions, dtype=torch.long),
-            finish_reason=finish,  # type: ignore[arg-type]
+            finish_reason=finish, prompt_version=self.prompt_version,  # type: ignore[arg-type]
             topk_ids=torch.tensor(self.top_ids, dtype=torch.long) if has_top else None,
             topk_logp=torch.tensor(self.top_logp, dtype=torch.float32) if has_top else None, routed_experts=routed,
         )

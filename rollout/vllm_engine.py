@@ -22,7 +22,9 @@ token's log-prob is from the distribution it was sampled from. The prefix cache 
 the old weights after an update; it is reset before the next ``generate`` starts (vLLM refuses the
 reset while requests hold blocks), so a later call's requests never reuse another version's
 prompt KV. Requests of the same call still queued in vLLM's scheduler when the update lands can
-reuse a sibling's old-weight prompt KV, as the running ones keep theirs.
+reuse a sibling's old-weight prompt KV, as the running ones keep theirs: every request records
+the version served when it was submitted (``Completion.prompt_version``), and lag-0 tokens of a
+request an update landed in are reported apart from the numerics gap (``gap/inflight``).
 
 Tensors do not survive vLLM's RPC (AsyncLLM msgpack-encodes a tensor argument into buffers the
 engine core does not rebuild, then fails to pickle them for its workers: "cannot pickle memoryview

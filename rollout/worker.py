@@ -51,6 +51,8 @@ def completion_problem(c: Completion, topk: int) -> str | None:
         return f"engine returned {len(c.rollout_logp)} log-probs and {len(c.versions)} versions for {length} tokens"
     if not torch.isfinite(c.rollout_logp).all():
         return "engine returned NaN or inf behaviour log-probs"
+    if length and int(c.versions.min()) < c.prompt_version:
+        return f"engine stamped a token with version {int(c.versions.min())}, older than its prompt's {c.prompt_version}"
     if topk and length:  # an empty response has nothing to report (engines may give None)
         if c.topk_ids is None or c.topk_logp is None:
             return f"engine returned no top-{topk} log-probs although they were asked for"

@@ -13,7 +13,7 @@ from rollout.rewards import RewardResult
 
 
 def completion(prompt, response, logp, versions):
-    return Completion(torch.tensor(prompt), torch.tensor(response), torch.tensor(logp), torch.tensor(versions), "stop")
+    return Completion(torch.tensor(prompt), torch.tensor(response), torch.tensor(logp), torch.tensor(versions), "stop", min(versions, default=0))
 
 
 def group(pid, completions, scores):
@@ -38,6 +38,8 @@ def test_rows_align_tokens_mu_advantages_and_lag():
     assert batch.advantages[0].tolist() == [0, 0, 0, 0.5, 0.5] and batch.advantages[1].tolist() == [0, 0, 0, -0.5, 0]
     assert batch.advantages[2].tolist() == [0, -0.5, -0.5, -0.5, 0] and batch.advantages[3].abs().sum() == 0
     assert batch.version_lag[0, 3:].tolist() == [1, 0] and batch.version_lag[2, 1:4].tolist() == [2, 2, 1]
+    # the prompt's version (here the first token's) for every token: 4 - 3 where an update landed mid-request
+    assert batch.context_lag[0, 3:].tolist() == [1, 1] and batch.context_lag[1, 3:4].tolist() == [0] and batch.context_lag[2, 1:4].tolist() == [2, 2, 2]
 
 
 def test_groups_of_different_sizes_are_rejected():
@@ -48,7 +50,7 @@ def test_groups_of_different_sizes_are_rejected():
 
 
 def test_engine_top_k_travels_into_the_batch_aligned_with_its_tokens():
-    c = Completion(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.1, -0.2]), torch.tensor([0, 0]), "stop",
+    c = Completion(torch.tensor([5, 6]), torch.tensor([7, 8]), torch.tensor([-0.1, -0.2]), torch.tensor([0, 0]), "stop", 0,
                    topk_ids=torch.tensor([[7, 1], [8, 2]]), topk_logp=torch.tensor([[-0.1, -3.0], [-0.2, -4.0]]))
     batch = BatchBuilder(AdvantageConfig(), topk=2).build([group("a", [c, c], [1.0, 0.0])], version=0).train
     assert batch.topk == 2 and batch.rollout_topk_ids.shape == (2, 4, 2)

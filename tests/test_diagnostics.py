@@ -48,3 +48,16 @@ def test_gap_split_by_version_lag_separates_numerics_from_staleness():
     assert m["staleness/abs_shift_mean"].value.item() == pytest.approx(1.0 / 3, rel=1e-4)
     assert m["all/abs_shift_mean"].count.item() == 6
     assert m["staleness/abs_shift_max"].value.item() == pytest.approx(0.4, rel=1e-5)
+    assert "inflight/abs_shift_mean" not in m  # no context lags: every lag-0 token is numerics
+
+
+def test_lag_0_tokens_of_a_request_an_update_landed_in_are_not_numerics():
+    """A token sampled by the learner's version, in a request whose prompt KV is older: inflight."""
+    mu = torch.full((1, 6), 0.5)
+    pi = torch.tensor([[0.51, 0.49, 0.8, 0.3, 0.2, 0.9]])
+    lag = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    context = torch.tensor([[0, 0, 1, 1, 1, 2]])  # tokens 2 and 3: sampled at lag 0 after an update mid-request
+    m = gap_metrics_by_lag(pi.log(), mu.log(), lag, context_lag=context)
+    assert m["numerics/abs_shift_mean"].value.item() == pytest.approx(0.01, rel=1e-4)
+    assert m["inflight/abs_shift_mean"].value.item() == pytest.approx(0.25, rel=1e-4) and m["inflight/abs_shift_mean"].count.item() == 2
+    assert m["staleness/abs_shift_mean"].value.item() == pytest.approx(0.35, rel=1e-4)

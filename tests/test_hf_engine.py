@@ -78,7 +78,7 @@ def test_request_in_flight_across_an_update_records_both_versions(smollm2_folder
     prompt = [engine.chat_prompt("Write a long story about a dragon.")]
     c = engine.generate(prompt, SamplingParams(n=1, max_new_tokens=10, temperature=1.0, seed=2), on_step=on_step)[0][0]
     assert len(c.response_ids) == 10 and c.finish_reason == "length"
-    assert c.versions.tolist() == [0, 0, 0] + [1] * 7
+    assert c.versions.tolist() == [0, 0, 0] + [1] * 7 and c.prompt_version == 0
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

@@ -144,6 +144,8 @@ def test_running_totals_are_stamped_only_beyond_what_was_seen():
     assert stream.versions == [0, 0, 1]
     done = stream.completion([1, 2], "length")
     assert done.response_ids.tolist() == [5, 6, 7] and done.versions.tolist() == [0, 0, 1] and done.topk_ids.shape == (3, 1)
+    assert done.prompt_version == 0  # submitted before the update: its KV came from version 0
+    assert TokenStream(served).prompt_version == 1
     with pytest.raises(RuntimeError, match="does not extend"):
         stream.extend_to([5, 9, 7, 8], [-0.1] * 4, [[0]] * 4, [[0.0]] * 4)
     with pytest.raises(RuntimeError, match="3 log-probs for 2 new tokens"):

@@ -58,7 +58,7 @@ def test_every_dashboard_panel_returns_data(scraped_run, dashboard, title, expr)
 def test_the_gap_is_split_by_version_lag(scraped_run):
     prom, at = scraped_run
     lags = {r["metric"]["lag"] for r in prom.query("max_over_time(drpo_gap_abs_shift_mean[5m])", at)}
-    assert lags == {"0", "1+", "all"}
+    assert lags == {"0", "0-inflight", "1+", "all"}
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=lambda r: r.get("alert") or r.get("record"))

@@ -61,7 +61,7 @@ def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2
             v = c.versions.tolist()
             assert v == sorted(v) and v[0] == 0, v
             split = v.index(1) if 1 in v else len(v)
-            head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length")
+            head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length", c.prompt_version)
             assert (c.rollout_logp[:split] - recompute_logp(reference, head, 1.0)).abs().max().item() <= 1e-2
         assert any(1 in c.versions.tolist() for c in result["group"]), "the update did not land mid-response"
     finally:

@@ -75,8 +75,11 @@ def test_moe_trains_async_with_expert_parallel_2(ray_local, tiny_moe_model, tmp_
     assert result.steps == 6 and len(steps) == 6
     assert any(s["learner/grad_norm"] > 0 for s in steps)  # (a step of groups with equal rewards has no gradient)
     assert max(s["staleness/lag_max"] for s in steps) >= 1  # async: samples from an older version trained
-    lag0 = [s["gap/numerics/abs_shift_mean"] for s in steps if s.get("gap/numerics/abs_shift_mean") == s.get("gap/numerics/abs_shift_mean")]
-    assert lag0 and max(lag0) < 0.05  # mu at lag 0 matches the learner's pi within the fp32 pair's numerics
+    lag0 = [s["gap/numerics/abs_shift_max"] for s in steps if s["gap/numerics/abs_shift_max"] == s["gap/numerics/abs_shift_max"]]
+    # mu at lag 0 matches the learner's pi within the fp32 pair's numerics (~1e-6); lag-0 tokens of a
+    # request an update landed in attended to older KV and are reported apart (gap/inflight: up to 0.05 measured)
+    assert lag0 and max(lag0) < 1e-3
+    assert all("gap/inflight/abs_shift_mean" in s for s in steps)
     assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 

@@ -82,7 +82,8 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
         assert len(v) == 96 and c.finish_reason == "length"
         split = v.index(old + 1)
         assert 0 < split < 96 and v == [old] * split + [old + 1] * (96 - split), v
-        head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length")
+        assert c.prompt_version == old  # the later tokens attended to KV of the old weights
+        head = Completion(c.prompt_ids, c.response_ids[:split], c.rollout_logp[:split], c.versions[:split], "length", c.prompt_version)
         assert (c.rollout_logp[:split] - recompute_logp(reference, head, 1.0)).abs().max().item() <= 1e-3
     assert not torch.equal(group[0].response_ids, group[1].response_ids)  # n samples are independent
     reference.load_state_dict(state, strict=False)  # the module's reference follows the engine's weights
