@@ -279,6 +279,10 @@ class MetricsConfig(_Config):
     host: str = Field("127.0.0.1", description="Prometheus endpoint address; loopback unless you mean to expose it.")
     port: int | None = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free port, None = no endpoint).")
     progress: bool = Field(True, description="Live progress bar on stderr.")
+    rollouts: bool = Field(
+        False, description="Also write every trained sample to RUN_DIR/rollouts.jsonl (step, prompt id, epoch, sample index, "
+        "response text and ids, reward, verdict, finish, token versions), like verl's rollout_data_dir.",
+    )
     linger_seconds: float = Field(0.0, ge=0.0, description="Keep the endpoint up this long after the run, for a last scrape.")
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Also send the step, eval and gap metrics to these (each an optional extra: pip install 'drpo[wandb]')."

@@ -248,6 +248,7 @@ class Controller:
         self.version = result.version
         published = self.backend.publish(self.version, wait=self.cfg.train.mode == "sync")
         stats = self.staleness.stats()
+        self.telemetry.rollouts(self.step, done.groups)
         self.telemetry.step(StepReport(
             step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.rewards],
             scores=[s for g in done.groups for s in g.scores], reasons=[s.reward.reason.split(":")[0] for g in done.groups for s in g.samples],

@@ -65,6 +65,7 @@ class Telemetry:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = (self.run_dir / "metrics.jsonl").open("a")
+        self._rollouts = (self.run_dir / "rollouts.jsonl").open("a") if cfg.rollouts else None
         self.cfg, self.total_steps, self.clock = cfg, total_steps, clock
         self.exporter = PrometheusExporter(cfg.host, cfg.port) if cfg.port is not None else None
         self.steps: list[dict] = []
@@ -80,6 +81,21 @@ class Telemetry:
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
+
+    def rollouts(self, step: int, groups: list[Group]) -> None:
+        """With ``metrics.rollouts``: one rollouts.jsonl line per trained sample of ``step``."""
+        if self._rollouts is None:
+            return
+        for g in groups:
+            for j, s in enumerate(g.samples):
+                c = s.completion
+                self._rollouts.write(json.dumps({
+                    "step": step, "prompt_id": g.ticket.id, "epoch": g.ticket.epoch, "sample": j,
+                    "response": s.text, "response_ids": c.response_ids.tolist(), "reward": s.reward.value, "score": s.reward.score,
+                    "reason": s.reward.reason, "finish": c.finish_reason, "prompt_version": c.prompt_version,
+                    "versions": [int(c.versions.min()), int(c.versions.max())] if len(c.versions) else None,
+                }, allow_nan=True) + "\n")
+        self._rollouts.flush()
 
     def group(self, g: Group) -> None:
         self._group_tokens += g.tokens
@@ -247,6 +263,8 @@ class Telemetry:
         if self._tty and self.cfg.progress:
             print(file=sys.stderr)
         self._file.close()
+        if self._rollouts is not None:
+            self._rollouts.close()
         for logger in self.loggers:
             logger.close()
         if self.exporter is not None:
