@@ -76,7 +76,9 @@ class LearnerConfig(_Config):
         description="bypass: mu from the engine anchors ratio and trust region; decoupled (AReaL): the learner's proximal_logp, "
         "recomputed at the start of each step, does, and mu only reweights the advantage by min(proximal/mu, cap).",
     )
-    behaviour_weight_cap: float = Field(5.0, gt=0.0, description="decoupled: cap on the behaviour weight proximal/mu.")
+    behaviour_weight_cap: float = Field(
+        5.0, gt=0.0, description="decoupled: C, the cap on the behaviour weight proximal/mu (token-level TIS on ppo_clip uses 2; objectives/anchor.py).",
+    )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="fp32, or bf16 mixed precision: bf16 parameters and compute, fp32 main parameters, gradients and optimizer; "

@@ -11,7 +11,6 @@ data-parallel ranks once (learner/metrics.py). The data convention is ``TrainBat
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -28,7 +27,8 @@ from learner import distributed
 from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
 from learner.routing import Routing
-from objectives.base import Metric, fraction, masked_mean
+from objectives.anchor import decoupled_inputs
+from objectives.base import Metric
 from objectives.diagnostics import gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
 
@@ -241,8 +241,8 @@ class Learner:
 
     def _objective_inputs(self, mb: TrainBatch, stats: TokenLogProbs) -> tuple[objectives.ObjectiveInputs, dict[str, Metric]]:
         """What the objective sees. bypass: mu anchors it. decoupled: proximal_logp anchors it and mu
-        enters only as the behaviour weight min(proximal/mu, cap) on the advantage, which is exact for
-        every registered objective (each is positively homogeneous in A)."""
+        enters only as the behaviour weight min(proximal/mu, cap) on the advantage (objectives/anchor.py;
+        with ppo_clip and one update per batch, token-level TIS)."""
         mask = mb.response_mask
         if objectives.required_topk(self.cfg.objective) and mb.rollout_topk_ids is None:
             raise ValueError(
@@ -253,13 +253,9 @@ class Learner:
                 stats.logp, mb.rollout_logp, mb.advantages, mask, rollout_topk_logp=mb.rollout_topk_logp, policy_topk_logp=stats.ids_logp
             )
             return inputs, {}
-        log_w = (mb.proximal_logp - mb.rollout_logp).clamp(max=math.log(self.cfg.behaviour_weight_cap))
-        weight = torch.where(mask, log_w.exp(), 0.0)
-        inputs = objectives.ObjectiveInputs(
-            stats.logp, mb.proximal_logp, mb.advantages * weight, mask, rollout_topk_logp=mb.proximal_topk_logp, policy_topk_logp=stats.ids_logp
+        return decoupled_inputs(
+            stats.logp, mb.rollout_logp, mb.proximal_logp, mb.advantages, mask, self.cfg.behaviour_weight_cap, mb.proximal_topk_logp, stats.ids_logp
         )
-        capped = log_w >= math.log(self.cfg.behaviour_weight_cap)
-        return inputs, {"behaviour_weight_mean": masked_mean(weight, mask), "behaviour_weight_capped_frac": fraction(capped, mask)}
 
     def _update(self, batch: TrainBatch, acc: MetricAccumulator) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR

@@ -36,6 +36,9 @@ class Cell:
     seed: int
     overrides: tuple[str, ...]
 
+    def row(self) -> dict:
+        return {"cell": self.name, "objective": self.objective, "setting": self.setting, "seed": self.seed}
+
 
 def _overrides(values: dict) -> list[str]:
     """--set strings; values as JSON, which YAML reads back unchanged (null, numbers, mappings)."""
@@ -104,42 +107,56 @@ def summarize(run_dir: Path, target: float) -> dict:
         "gap_lag0": mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": mean("gap/staleness/abs_shift_mean"),
         "corrective_frac": mean("objective/corrective_frac"), "regularizer_mean": mean("objective/regularizer_mean"),
         "gap_max": largest("gap/abs_shift_max"), "grad_norm_max": largest("learner/grad_norm"),
-        "train_reward_last5": mean("reward/mean", steps[-5:]),
+        "train_reward_last5": mean("reward/mean", steps[-5:]), "train_reward_first5": mean("reward/mean", steps[:5]),
+        **{f"gap_{part}_{stat}": (largest if stat == "max" else mean)(f"gap/{part}/abs_shift_{stat}")
+           for part in ("numerics", "inflight", "staleness") for stat in ("mean", "p99", "max")},
+        "gap_proximal_max": largest("gap/proximal/abs_shift_max"),
+        "clipped_frac": mean("objective/clip_frac_low") + mean("objective/clip_frac_high") if mean("objective/clip_frac_low") is not None else None,
+        "masked_frac": mean("objective/masked_frac"), "behaviour_capped_frac": mean("learner/behaviour_weight_capped_frac"),
+        "regularizer_share": mean("objective/regularizer_share"),
+        "reward_curve": [[s["step"], s.get("reward/mean")] for s in steps],
         "seconds": (steps[-1]["time"] - steps[0]["time"]) if len(steps) > 1 else None,
         "curve": [[e["step"], e["accuracy"]] for e in evals],
     }
 
 
 def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = None, log=print) -> list[dict]:
+    rows = run_cells(cells(grid, only), out, lambda cell: [f"model.path={model_path}", *_overrides(grid["base"])], grid["target_accuracy"], log)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
+    """Run every cell of ``todo`` (one drpo training run each, on the Ray cluster already up) into
+    OUT/cells/NAME, skipping finished ones; ``base_of(cell)``: the overrides before the cell's own.
+    Returns one row per cell: its fields and its summary."""
     from controller.app import train
     from controller.config import load_config
 
-    base = [f"model.path={model_path}", *_overrides(grid["base"])]
     rows = []
-    for cell in cells(grid, only):
+    for cell in todo:
         run_dir = out / "cells" / cell.name
         done = run_dir / "summary.json"
         if done.is_file():
             summary = json.loads(done.read_text())
             if summary.get("error") is None:  # re-read finished cells, so new summary fields reach old cells
-                summary.update(summarize(run_dir, grid["target_accuracy"]))
+                summary.update(summarize(run_dir, target))
         else:
             if run_dir.exists():
                 import shutil
 
                 shutil.rmtree(run_dir)  # an interrupted cell starts over
-            cfg = load_config(overrides=[*base, *cell.overrides, f"run_dir={run_dir}"])
+            cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}"])
             started = time.time()
-            log(f"[{len(rows) + 1}] {cell.name}")
+            log(f"[{len(rows) + 1}/{len(todo)}] {cell.name}")
             try:
                 train(cfg)
-                summary = {**summarize(run_dir, grid["target_accuracy"]), "error": None}
+                summary = {**summarize(run_dir, target), "error": None}
             except Exception as err:  # a diverging run is a result, not a reason to stop the grid
                 summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
             summary["wall_seconds"] = time.time() - started
             done.write_text(json.dumps(summary))
-        rows.append({"cell": cell.name, "objective": cell.objective, "setting": cell.setting, "seed": cell.seed, **summary})
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
+        rows.append({**cell.row(), **summary})
     return rows
 
 

@@ -1,0 +1,408 @@
+"""The stability frontier: each objective on a ladder of off-policy pressure (from the repo root):
+
+    .venv/bin/python -m benchmarks.experiments.frontier                          # every cell of frontier.yaml
+    .venv/bin/python -m benchmarks.experiments.frontier --slice base,updates:3   # some rungs (run one after another)
+    .venv/bin/python -m benchmarks.experiments.frontier --report --docs docs/results.md   # tables and plots of what ran
+
+The ladder (``ladder`` in the grid file) climbs one kind of pressure at a time from one common base:
+a cell is the base config plus one rung's overrides (plus its objective's and its seed), so every
+rung of every dimension differs from the base in exactly one respect. Rung 0 of every dimension is
+the base itself, run once. Cells of the same seed draw the same completions until their policies
+differ (the engine's sampling is seeded per run seed, epoch, prompt and sample), so objectives are
+compared on paired differences; the report measures what the pairing buys.
+
+A cell runs as a real ``drpo train`` into OUT/cells/NAME; a finished cell is not run again, so an
+interrupted slice resumes and slices add up. ``calibration`` cells run SmolLM2 at a few rungs to put
+its measured gap next to the stand-in's (the stand-in is used because SmolLM2 takes ~40 s a step here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from benchmarks.experiments.run import COLLAPSE_DROP, HERE, _fmt, _largest, _markdown, _mean, _overrides, _sd, run_cells
+
+BASE = "base"
+RESULTS_BEGIN, RESULTS_END = "<!-- frontier:begin (written by benchmarks/experiments/frontier.py --docs) -->", "<!-- frontier:end -->"
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    objective: str
+    dimension: str
+    """The kind of pressure this cell's rung climbs ("base" for the common base)."""
+    rung: int
+    """0 for the base; 1.. up the dimension's ladder."""
+    label: str
+    seed: int
+    overrides: tuple[str, ...]
+    model: str = "standin"
+
+    @property
+    def setting(self) -> str:
+        return BASE if self.rung == 0 else f"{self.dimension}:{self.rung}"
+
+    def row(self) -> dict:
+        return {"cell": self.name, "objective": self.objective, "dimension": self.dimension, "rung": self.rung, "label": self.label,
+                "setting": self.setting, "seed": self.seed, "model": self.model}
+
+
+def rung_label(overrides: dict) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items() if k != "model")
+
+
+def rungs(grid: dict) -> list[tuple[str, int, dict]]:
+    """(dimension, rung, overrides): the base once, then every dimension's rungs in order."""
+    out = [(BASE, 0, {})]
+    for dimension, ladder in grid["ladder"].items():
+        for i, over in enumerate(ladder, start=1):
+            if not isinstance(over, dict) or not over:
+                raise ValueError(f"ladder.{dimension}[{i - 1}] must be a non-empty mapping of overrides, got {over!r}")
+            out.append((dimension, i, over))
+    return out
+
+
+def cells(grid: dict, only: set[str] | None = None, slices: list[str] | None = None) -> list[Cell]:
+    """Every cell (objective x rung x seed), or those of ``slices`` ("base", "DIMENSION" for all
+    its rungs, "DIMENSION:RUNG") and of the objectives in ``only``."""
+    chosen = None if not slices else set(slices)
+    known = {BASE} | set(grid["ladder"]) | {f"{d}:{r}" for d, r, _ in rungs(grid) if r}
+    if chosen and chosen - known:
+        raise ValueError(f"unknown slice(s) {sorted(chosen - known)}; the grid has {sorted(known)}")
+    out = []
+    for dimension, rung, over in rungs(grid):
+        if chosen and not ({dimension, f"{dimension}:{rung}"} & chosen):
+            continue
+        model = over.get("model", grid.get("model", "standin"))
+        for obj in grid["objectives"]:
+            if only and obj["name"] not in only:
+                continue
+            for seed in grid["seeds"]:
+                setting = BASE if rung == 0 else f"{dimension}{rung}"
+                over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
+                             *_overrides({k: v for k, v in over.items() if k != "model"}), f"seed={seed}"]
+                out.append(Cell(f"{obj['name']}-{setting}-s{seed}", obj["name"], dimension, rung, rung_label(over) or "base",
+                                seed, tuple(over_cell), model))
+    return out
+
+
+def calibration_cells(grid: dict) -> list[Cell]:
+    """SmolLM2 at a few rungs, one objective and seed: its measured gap next to the stand-in's."""
+    cal = grid.get("calibration")
+    if not cal:
+        return []
+    by_key = {(BASE if r == 0 else f"{d}:{r}"): (d, r, o) for d, r, o in rungs(grid)}
+    obj = next(o for o in grid["objectives"] if o["name"] == cal["objective"])
+    out = []
+    for key in cal["rungs"]:
+        dimension, rung, over = by_key[key]
+        over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
+                     *_overrides({k: v for k, v in over.items() if k != "model"}), *_overrides(cal.get("overrides", {})), f"seed={cal['seed']}"]
+        setting = BASE if rung == 0 else f"{dimension}{rung}"
+        out.append(Cell(f"smollm2-{obj['name']}-{setting}-s{cal['seed']}", obj["name"], dimension, rung, rung_label(over) or "base",
+                        cal["seed"], tuple(over_cell), "smollm2"))
+    return out
+
+
+# ---- analysis -------------------------------------------------------------------------------------
+
+
+def _gain(r: dict) -> float | None:
+    if r.get("final_accuracy") is None or r.get("start_accuracy") is None:
+        return None
+    return r["final_accuracy"] - r["start_accuracy"]
+
+
+def _reward_gain(r: dict) -> float | None:
+    if r.get("train_reward_last5") is None or r.get("train_reward_first5") is None:
+        return None
+    return r["train_reward_last5"] - r["train_reward_first5"]
+
+
+def _by(rows: list[dict], *keys) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def paired_noise(rows: list[dict], metric=_gain) -> dict:
+    """What common random numbers buy: for every pair of objectives at every rung, the sd of their
+    differences paired by seed (same draws until the policies differ) against unpaired (different
+    seeds). Returns the pooled sds and how many differences each pooled."""
+    paired, unpaired = [], []
+    for (_, _), rs in _by(rows, "dimension", "rung").items():
+        per = {o: {r["seed"]: metric(r) for r in g if metric(r) is not None} for (o,), g in _by(rs, "objective").items()}
+        names = sorted(per)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                seeds = sorted(set(per[a]) & set(per[b]))
+                d = [per[a][s] - per[b][s] for s in seeds]
+                if len(d) > 1:
+                    m = sum(d) / len(d)
+                    paired += [x - m for x in d]  # centred per pair: the spread, not the objectives' difference
+                u = [per[a][s] - per[b][t] for s in seeds for t in seeds if s != t]
+                if len(u) > 1:
+                    m = sum(u) / len(u)
+                    unpaired += [x - m for x in u]
+    sd = lambda xs: math.sqrt(sum(x * x for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None  # noqa: E731
+    return {"paired_sd": sd(paired), "unpaired_sd": sd(unpaired), "paired_n": len(paired), "unpaired_n": len(unpaired)}
+
+
+def cell_stats(rs: list[dict], base: list[dict] | None) -> dict:
+    """One (objective, rung): means over seeds, and the paired change against the same objective's
+    base cells (same seeds)."""
+    gains = [g for g in map(_gain, rs) if g is not None]
+    out = {
+        "seeds": len(rs), "gain": _mean(gains), "gain_se": (_sd(gains) / math.sqrt(len(gains))) if len(gains) > 1 else None,
+        "reward_gain": _mean(map(_reward_gain, rs)), "final": _mean(r.get("final_accuracy") for r in rs),
+        "collapses": sum(r.get("collapses", 0) for r in rs), "errors": sum(r.get("error") is not None for r in rs),
+        "grad_norm_max": _largest(r.get("grad_norm_max") for r in rs),
+        **{k: _mean(r.get(k) for r in rs) for k in ("gap_numerics_mean", "gap_numerics_p99", "gap_inflight_mean", "gap_staleness_mean",
+                                                      "gap_staleness_p99", "clipped_frac", "masked_frac", "corrective_frac",
+                                                      "behaviour_capped_frac", "regularizer_share")},
+        **{k: _largest(r.get(k) for r in rs) for k in ("gap_numerics_max", "gap_staleness_max", "gap_max", "gap_proximal_max")},
+    }
+    if base is not None:
+        own = {r["seed"]: _gain(r) for r in base if _gain(r) is not None}
+        d = [_gain(r) - own[r["seed"]] for r in rs if _gain(r) is not None and r["seed"] in own]
+        out["vs_base"] = _mean(d)
+        out["vs_base_se"] = (_sd(d) / math.sqrt(len(d))) if len(d) > 1 else None
+    return out
+
+
+def learns(s: dict) -> bool:
+    """Still learning: no collapse or error, and a held-out gain above twice its standard error."""
+    return (not s["collapses"] and not s["errors"] and s["gain"] is not None and s["gain_se"] is not None
+            and s["gain"] > 2 * s["gain_se"])
+
+
+def degraded(s: dict) -> bool:
+    """Worse than its own base: a collapse or error, or a paired drop beyond twice its standard error."""
+    if s["collapses"] or s["errors"]:
+        return True
+    return s.get("vs_base") is not None and s.get("vs_base_se") is not None and s["vs_base"] < -2 * s["vs_base_se"]
+
+
+def frontier(rows: list[dict]) -> dict:
+    """For every objective and dimension: per-rung stats, the highest rung (of those run) where it
+    still learns with no lower rung degraded, and the first degraded rung."""
+    rows = [r for r in rows if r.get("model", "standin") != "smollm2"]
+    base = {o: rs for (o, _), rs in _by([r for r in rows if r["rung"] == 0], "objective", "rung").items()}
+    out: dict = {}
+    for (objective, dimension), rs in _by([r for r in rows if r["rung"] > 0], "objective", "dimension").items():
+        ladder = {0: cell_stats(base[objective], None)} if objective in base else {}
+        for (rung,), g in sorted(_by(rs, "rung").items()):
+            ladder[rung] = cell_stats(g, base.get(objective))
+        survived, first_bad = None, None
+        for rung in sorted(ladder):
+            s = ladder[rung]
+            if rung and degraded(s) and first_bad is None:
+                first_bad = rung
+            if first_bad is None and learns(s):
+                survived = rung
+        out[(objective, dimension)] = {"rungs": ladder, "highest_learning": survived, "first_degraded": first_bad}
+    for objective, rs in base.items():  # the base alone (no rung of any dimension run yet)
+        if not any(o == objective for o, _ in out):
+            out[(objective, BASE)] = {"rungs": {0: cell_stats(rs, None)}, "highest_learning": 0 if learns(cell_stats(rs, None)) else None,
+                                      "first_degraded": None}
+    return out
+
+
+STAT_HEAD = ["objective", "rung", "seeds", "held-out gain ± se", "paired vs base ± se", "train reward gain", "collapses",
+             "max grad norm", "|π−μ| lag 0 mean / p99 / max", "inflight", "lag ≥ 1 mean / p99 / max", "max drift in step",
+             "clipped", "masked", "corrective", "TIS capped", "regularizer share"]
+
+
+def _pm(v, se) -> str:
+    return "–" if v is None else f"{v:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
+def _triple(s, part) -> str:
+    return " / ".join(_fmt(s.get(f"gap_{part}_{k}"), 2) for k in ("mean", "p99", "max"))
+
+
+def rung_table(result: dict, labels: dict) -> str:
+    lines = []
+    for (objective, dimension), f in sorted(result.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for rung, s in sorted(f["rungs"].items()):
+            if rung == 0 and dimension != BASE and any(d == BASE for _, d in result):
+                continue
+            lines.append([objective, labels.get((dimension, rung), "base"), s["seeds"], _pm(s["gain"], s["gain_se"]),
+                          _pm(s.get("vs_base"), s.get("vs_base_se")) if rung else "–", s["reward_gain"], str(s["collapses"] + s["errors"]),
+                          s["grad_norm_max"], _triple(s, "numerics"), s["gap_inflight_mean"], _triple(s, "staleness"), s["gap_proximal_max"],
+                          s["clipped_frac"], s["masked_frac"], s["corrective_frac"], s["behaviour_capped_frac"], s["regularizer_share"]])
+    return _markdown(STAT_HEAD, lines)
+
+
+def summary_table(result: dict, labels: dict, grid: dict) -> str:
+    """Objective x dimension: the highest rung still learning and the first degraded one."""
+    dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)]
+    objectives = [o["name"] for o in grid["objectives"] if any(oo == o["name"] for oo, _ in result)]
+
+    def word(o, d):
+        f = result.get((o, d))
+        if f is None:
+            return "not run"
+        ran = max(f["rungs"])
+        hi = "none" if f["highest_learning"] is None else labels.get((d, f["highest_learning"]), "base")
+        bad = "none up to " + labels.get((d, ran), "base") if f["first_degraded"] is None else labels[(d, f["first_degraded"])]
+        return f"learns to {hi}; first degraded: {bad}"
+
+    return _markdown(["objective", *dims], [[o, *[word(o, d) for d in dims]] for o in objectives])
+
+
+def calibration_table(rows: list[dict]) -> str:
+    """SmolLM2's measured gap next to the stand-in's at the same rung and objective (seed-mean)."""
+    small = [r for r in rows if r.get("model") == "smollm2"]
+    lines = []
+    for r in small:
+        peers = [p for p in rows if p.get("model", "standin") != "smollm2" and p["objective"] == r["objective"]
+                 and p["dimension"] == r["dimension"] and p["rung"] == r["rung"]]
+        for who, rs in (("SmolLM2-135M", [r]), ("stand-in", peers)):
+            if rs:
+                lines.append([r["label"], who, len(rs), _mean(x.get("gap_numerics_mean") for x in rs), _largest(x.get("gap_numerics_max") for x in rs),
+                              _mean(x.get("gap_staleness_mean") for x in rs), _largest(x.get("gap_staleness_max") for x in rs)])
+    return _markdown(["rung", "model", "cells", "|π−μ| lag 0 mean", "lag 0 max", "lag ≥ 1 mean", "lag ≥ 1 max"], lines)
+
+
+def labels_of(grid: dict) -> dict:
+    return {(d, r): (rung_label(o) if r else "base") for d, r, o in rungs(grid)}
+
+
+def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
+    """frontier.png: per dimension, held-out gain (mean ± se over seeds) of every objective by rung;
+    frontier_gap.png: the measured gap by rung (mean |π−μ| at lag 0 and lag ≥ 1, max drift within a step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result, labels = frontier(rows), labels_of(grid)
+    dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)] or [BASE]
+    objectives = [o["name"] for o in grid["objectives"]]
+    paths = []
+    for name, panels in (("frontier.png", [("gain", "held-out gain (final − start)")]),
+                         ("frontier_gap.png", [("gap_numerics_mean", "mean |π−μ|, lag 0"), ("gap_staleness_mean", "mean |π−μ|, lag ≥ 1"),
+                                               ("gap_proximal_max", "max |π−π_step start|")])):
+        fig, axes = plt.subplots(len(panels), len(dims), figsize=(4.2 * len(dims), 3.2 * len(panels)), squeeze=False)
+        for col, d in enumerate(dims):
+            for row_i, (key, title) in enumerate(panels):
+                ax = axes[row_i][col]
+                for i, o in enumerate(objectives):
+                    f = result.get((o, d))
+                    if not f:
+                        continue
+                    xs = sorted(f["rungs"])
+                    ys = [f["rungs"][x].get(key) for x in xs]
+                    es = [f["rungs"][x].get("gain_se") or 0.0 for x in xs] if key == "gain" else None
+                    pts = [(x, y, e) for x, y, e in zip(xs, ys, es or [0.0] * len(xs)) if y is not None]
+                    if pts:
+                        ax.errorbar([p[0] + (i - len(objectives) / 2) * 0.04 for p in pts], [p[1] for p in pts],
+                                    yerr=[p[2] for p in pts] if es else None, marker="o", markersize=3, capsize=2, label=o, color=f"C{i}")
+                ax.set_xticks(sorted({r for (dd, r) in labels if dd == d} | {0}),
+                              [labels.get((d, r), "base") for r in sorted({r for (dd, r) in labels if dd == d} | {0})], rotation=20, fontsize=6)
+                ax.set_title(f"{d}: {title}", fontsize=8)
+                if key == "gain":
+                    ax.axhline(0.0, color="grey", linewidth=0.5)
+                if key != "gain":
+                    ax.set_yscale("symlog", linthresh=1e-4)
+                ax.legend(fontsize=5)
+        fig.tight_layout()
+        fig.savefig(Path(folder) / name, dpi=80)
+        plt.close(fig)
+        paths.append(Path(folder) / name)
+    return paths
+
+
+def report(rows: list[dict], grid: dict) -> str:
+    result, labels = frontier(rows), labels_of(grid)
+    noise = paired_noise([r for r in rows if r.get("model", "standin") != "smollm2"])
+    ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
+    crn = (f"Common random numbers: the sd of two objectives' held-out gain difference is {_fmt(noise['paired_sd'])} paired by seed "
+           f"({noise['paired_n']} differences) against {_fmt(noise['unpaired_sd'])} unpaired ({noise['unpaired_n']})"
+           + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
+    seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
+    return (f"{len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n### Highest rung still learning, first degraded rung\n\n"
+            f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{rung_table(result, labels)}\n"
+            + (f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n" if any(r.get("model") == "smollm2" for r in rows) else ""))
+
+
+def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: str) -> None:
+    """The frontier's generated block of the report page (prose outside the markers is kept)."""
+    import os
+    import shutil
+
+    path = Path(path)
+    assets = path.parent / path.stem
+    assets.mkdir(parents=True, exist_ok=True)
+    for name in ("frontier.png", "frontier_gap.png"):
+        shutil.copy(out / name, assets / name)
+    block = (f"{RESULTS_BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
+             f"--docs {path}`.\n\n{report(rows, grid)}\n![held-out gain by rung]({assets.name}/frontier.png)\n\n"
+             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n{RESULTS_END}")
+    old = path.read_text() if path.is_file() else f"# Results\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
+    if RESULTS_BEGIN not in old or RESULTS_END not in old:
+        raise ValueError(f"{path} has no '{RESULTS_BEGIN}' ... '{RESULTS_END}' block to replace")
+    head, rest = old.split(RESULTS_BEGIN, 1)
+    path.write_text(head + block + rest.split(RESULTS_END, 1)[1])
+
+
+def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=print) -> list[dict]:
+    """Run ``todo`` (finished cells are read back), then return the rows of every finished cell of the grid."""
+    base = _overrides(grid["base"])
+    calib = grid.get("calibration", {})
+    run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.model == "smollm2" else [])],
+              grid["target_accuracy"], log)
+    finished = [c for c in [*cells(grid), *calibration_cells(grid)] if (out / "cells" / c.name / "summary.json").is_file()]
+    rows = run_cells(finished, out, lambda c: [], grid["target_accuracy"], log)  # read back only: all are finished
+    (out / "frontier.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", default=str(HERE / "frontier.yaml"))
+    parser.add_argument("--out", default=str(HERE / "results" / "frontier"))
+    parser.add_argument("--slice", help="comma-separated: base, DIMENSION (all its rungs), DIMENSION:RUNG, calibration")
+    parser.add_argument("--only", help="comma-separated objective names")
+    parser.add_argument("--report", action="store_true", help="run nothing: tables and plots of the cells already finished")
+    parser.add_argument("--docs", help="also write the report block into this page (docs/results.md)")
+    args = parser.parse_args()
+    grid = yaml.safe_load(Path(args.grid).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slices = args.slice.split(",") if args.slice else None
+    calibrate = bool(slices and "calibration" in slices)
+    slices = [s for s in slices or [] if s != "calibration"] or (None if not calibrate else [])
+    todo = [] if args.report else [*(cells(grid, set(args.only.split(",")) if args.only else None, slices) if slices != [] else []),
+                                   *(calibration_cells(grid) if calibrate or not args.slice else [])]
+
+    from benchmarks.experiments.standin import StandinSpec, build_standin
+    from controller.cli import _init_ray
+    from controller.config import load_config
+    from rollout.offline_model import materialize_smollm2
+
+    smollm2 = materialize_smollm2()
+    models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
+    if todo:
+        _init_ray(load_config())
+    rows = run(grid, out, models, todo)
+    plot(rows, grid, out)
+    text = report(rows, grid)
+    (out / "frontier.md").write_text(text)
+    print(text)
+    if args.docs:
+        write_docs(Path(args.docs), rows, grid, out, args.grid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The stability frontier's grid (benchmarks/experiments/frontier.yaml) and its analysis: every cell
+is the base plus one rung, the paired/unpaired noise and the frontier verdicts are what their
+definitions say, and the CI smoke ladder trains every cell through drpo train and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from benchmarks.experiments.frontier import (
+    BASE, calibration_cells, cells, frontier, learns, paired_noise, plot, report, rungs, write_docs, RESULTS_BEGIN, RESULTS_END,
+)
+from benchmarks.experiments.run import HERE
+
+
+def _grid(name="frontier.yaml"):
+    return yaml.safe_load((HERE / name).read_text())
+
+
+def test_every_cell_is_the_base_plus_one_rung_and_its_objective_and_seed():
+    grid = _grid()
+    every = cells(grid)
+    objectives, seeds, ladder = grid["objectives"], grid["seeds"], rungs(grid)
+    assert len(seeds) >= 3 and len(every) == len(objectives) * len(ladder) * len(seeds) == len({c.name for c in every})
+    names = {o["name"] for o in objectives}
+    assert {"grpo", "grpo_tis", "spo", "dppo_binary_tv", "drpo", "drpo_d0.15"} <= names
+    assert {"updates", "staleness", "lr", "precision", "length"} <= set(grid["ladder"])
+    by_obj = {o["name"]: o for o in objectives}
+    for c in every:
+        obj = by_obj[c.objective]
+        own = [f"learner.objective={json.dumps(obj['objective'])}", *[f"{k}={json.dumps(v)}" for k, v in obj.get("overrides", {}).items()]]
+        assert list(c.overrides[: len(own)]) == own and c.overrides[-1] == f"seed={c.seed}"
+        middle = c.overrides[len(own):-1]
+        rung = {} if c.rung == 0 else grid["ladder"][c.dimension][c.rung - 1]
+        assert list(middle) == [f"{k}={json.dumps(v)}" for k, v in rung.items() if k != "model"]  # one rung, nothing else
+        assert (c.dimension == BASE) == (c.rung == 0)
+    for dimension, rung, over in ladder:  # a rung changes what the base sets (it is not the base again)
+        for key, value in over.items():
+            assert key == "model" or grid["base"].get(key) != value, (dimension, rung, key)
+    assert [c.setting for c in calibration_cells(grid)] == grid["calibration"]["rungs"]
+    with pytest.raises(ValueError, match="unknown slice"):
+        cells(grid, slices=["updates:9"])
+    assert {c.setting for c in cells(grid, slices=["base", "updates:3"])} == {"base", "updates:3"}
+
+
+def _row(objective, rung, seed, start, final, dimension="updates", collapses=0):
+    return {"objective": objective, "dimension": BASE if rung == 0 else dimension, "rung": rung, "seed": seed,
+            "start_accuracy": start, "final_accuracy": final, "collapses": collapses, "error": None}
+
+
+def test_paired_noise_and_frontier_verdicts_follow_their_definitions():
+    # two objectives, three seeds: the seed moves both objectives alike (what common random numbers pair away)
+    seed_effect = {0: 0.0, 1: 0.2, 2: 0.4}
+    rows = [_row(o, 0, s, 0.1, 0.3 + seed_effect[s] + (0.01 * s if o == "b" else 0.0)) for o in "ab" for s in range(3)]
+    noise = paired_noise(rows)
+    # paired differences are 0, -0.01, -0.02: centred, sd 0.01; unpaired ones carry the seed effect
+    assert noise["paired_sd"] == pytest.approx(0.01) and noise["unpaired_sd"] > 10 * noise["paired_sd"] and noise["paired_n"] == 3
+    rows += [_row("a", 1, s, 0.1, 0.3 + seed_effect[s]) for s in range(3)]  # the same as its base: still learning
+    rows += [_row("a", 2, s, 0.1, 0.12 + 0.001 * s) for s in range(3)]  # learns a little, but a paired drop from base
+    rows += [_row("b", 1, s, 0.1, 0.05, collapses=int(s == 0)) for s in range(3)]  # a collapse at rung 1
+    result = frontier(rows)
+    a, b = result[("a", "updates")], result[("b", "updates")]
+    assert learns(a["rungs"][1]) and a["highest_learning"] == 1 and a["first_degraded"] == 2
+    assert b["first_degraded"] == 1 and b["highest_learning"] == 0
+    assert a["rungs"][2]["vs_base"] == pytest.approx(-0.18 - 0.2 + 0.001, abs=0.01)
+
+
+
+
+@pytest.mark.ray
+@pytest.mark.engine
+@pytest.mark.slow
+def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny_chat_model, tmp_path):
+    from benchmarks.experiments.frontier import run
+
+    grid = _grid("frontier_smoke.yaml")
+    todo = cells(grid)
+    rows = run(grid, tmp_path, {"standin": str(tiny_chat_model)}, todo)
+    assert sorted(r["cell"] for r in rows) == sorted(c.name for c in todo) and len(rows) == 8
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["gap_numerics_mean"] is not None and r["gap_numerics_mean"] > 0  # bf16 engine vs fp32 learner
+    tis = [r for r in rows if r["objective"] == "grpo_tis"]
+    assert all(r["behaviour_capped_frac"] is not None for r in tis)  # the decoupled anchor's weight was applied
+    split = [r for r in rows if r["rung"] == 1]
+    assert all(r["gap_proximal_max"] is not None and r["gap_proximal_max"] > 0 for r in split)  # two updates: pi drifts in the step
+    pairs = {(r["objective"], r["seed"]): r["start_accuracy"] for r in rows if r["rung"] == 0}
+    assert pairs[("grpo_tis", 0)] == pairs[("drpo", 0)] and pairs[("grpo_tis", 1)] == pairs[("drpo", 1)]  # paired draws at step 0
+    text = report(rows, grid)
+    assert "Common random numbers" in text and "| grpo_tis | mini_batches=2 | 2 |" in text
+    pngs = plot(rows, grid, tmp_path)
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+    page = tmp_path / "results.md"
+    page.write_text(f"# Results\n\nprose\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n\nmore prose\n")
+    write_docs(page, rows, grid, tmp_path, str(HERE / "frontier_smoke.yaml"))
+    assert page.read_text().startswith("# Results\n\nprose\n\n" + RESULTS_BEGIN) and page.read_text().endswith(RESULTS_END + "\n\nmore prose\n")
+    stamps = {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
+    assert run(grid, tmp_path, {"standin": str(tiny_chat_model)}, todo) == rows  # resumed: nothing runs again
+    assert stamps == {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
