@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from benchmarks.experiments.frontier import (
-    BASE, calibration_cells, cells, frontier, learns, paired_noise, plot, report, rungs, write_docs, RESULTS_BEGIN, RESULTS_END,
+    BASE, calibration_cells, cells, collapses, frontier, learns, paired_noise, plot, report, rungs, write_docs, RESULTS_BEGIN, RESULTS_END,
 )
 from benchmarks.experiments.run import HERE
 
@@ -65,6 +65,16 @@ def test_paired_noise_and_frontier_verdicts_follow_their_definitions():
     assert learns(a["rungs"][1]) and a["highest_learning"] == 1 and a["first_degraded"] == 2
     assert b["first_degraded"] == 1 and b["highest_learning"] == 0
     assert a["rungs"][2]["vs_base"] == pytest.approx(-0.18 - 0.2 + 0.001, abs=0.01)
+
+
+def test_a_collapse_of_the_training_reward_is_a_fall_of_its_moving_average_below_half_its_best():
+    steady = {"reward_curve": [[i, 0.3] for i in range(20)], "error": None}
+    assert collapses(steady, "reward") == 0
+    fall = {"reward_curve": [[i, 0.4 if i < 10 else 0.05] for i in range(20)], "error": None, "nonfinite_steps": 1}
+    assert collapses(fall, "reward") == 1 + 1  # one fall (counted once while it stays down) and one non-finite step
+    floor = {"reward_curve": [[i, 0.04 if i % 2 else 0.0] for i in range(20)], "error": None}
+    assert collapses(floor, "reward") == 0  # at the noise floor nothing can collapse
+    assert collapses({"collapses": 2, "error": None}, "heldout") == 2
 
 
 

@@ -127,6 +127,28 @@ def _reward_gain(r: dict) -> float | None:
     return r["train_reward_last5"] - r["train_reward_first5"]
 
 
+REWARD_WINDOW = 5
+
+
+def collapses(r: dict, learning: str) -> int:
+    """Collapse events of a cell: non-finite loss or gradient steps, plus falls of the learning
+    signal below COLLAPSE_DROP of its best so far — held-out accuracy at each evaluation, or the
+    training reward's REWARD_WINDOW-step moving average (once that best is above 0.05: a signal at
+    the noise floor cannot collapse). A failed cell is counted apart (``errors``)."""
+    if r.get("error") is not None:
+        return 0
+    if learning == "heldout":
+        return r.get("collapses", 0)
+    rewards = [v for _, v in r.get("reward_curve") or [] if v is not None and math.isfinite(v)]
+    windows = [sum(rewards[i - REWARD_WINDOW:i]) / REWARD_WINDOW for i in range(REWARD_WINDOW, len(rewards) + 1)]
+    events, best, down = 0, 0.0, False
+    for w in windows:
+        fell = best > 0.05 and w < COLLAPSE_DROP * best
+        events += fell and not down
+        down, best = fell, max(best, w)
+    return events + r.get("nonfinite_steps", 0)
+
+
 def _by(rows: list[dict], *keys) -> dict:
     out: dict = {}
     for r in rows:
@@ -157,14 +179,26 @@ def paired_noise(rows: list[dict], metric=_gain) -> dict:
     return {"paired_sd": sd(paired), "unpaired_sd": sd(unpaired), "paired_n": len(paired), "unpaired_n": len(unpaired)}
 
 
-def cell_stats(rs: list[dict], base: list[dict] | None) -> dict:
-    """One (objective, rung): means over seeds, and the paired change against the same objective's
-    base cells (same seeds)."""
-    gains = [g for g in map(_gain, rs) if g is not None]
+METRICS = {"heldout": _gain, "reward": _reward_gain}
+"""What "learning" is measured by (the grid's ``learning``): the held-out accuracy gain (final minus
+start) or the training reward gain (mean of the last 5 steps minus the first 5: on-policy reward on
+the training prompts, where an unstable optimization shows first)."""
+
+
+def _se(xs: list[float]) -> float | None:
+    return (_sd(xs) / math.sqrt(len(xs))) if len(xs) > 1 else None
+
+
+def cell_stats(rs: list[dict], base: list[dict] | None, metric=_gain, learning: str = "heldout") -> dict:
+    """One (objective, rung): means over seeds, and the paired change of ``metric`` against the
+    same objective's base cells (same seeds)."""
+    gains = [g for g in map(metric, rs) if g is not None]
+    heldout = [g for g in map(_gain, rs) if g is not None]
+    rewards = [g for g in map(_reward_gain, rs) if g is not None]
     out = {
-        "seeds": len(rs), "gain": _mean(gains), "gain_se": (_sd(gains) / math.sqrt(len(gains))) if len(gains) > 1 else None,
-        "reward_gain": _mean(map(_reward_gain, rs)), "final": _mean(r.get("final_accuracy") for r in rs),
-        "collapses": sum(r.get("collapses", 0) for r in rs), "errors": sum(r.get("error") is not None for r in rs),
+        "seeds": len(rs), "gain": _mean(gains), "gain_se": _se(gains), "heldout_gain": _mean(heldout), "heldout_gain_se": _se(heldout),
+        "reward_gain": _mean(rewards), "reward_gain_se": _se(rewards), "final": _mean(r.get("final_accuracy") for r in rs),
+        "collapses": sum(collapses(r, learning) for r in rs), "errors": sum(r.get("error") is not None for r in rs),
         "grad_norm_max": _largest(r.get("grad_norm_max") for r in rs),
         **{k: _mean(r.get(k) for r in rs) for k in ("gap_numerics_mean", "gap_numerics_p99", "gap_inflight_mean", "gap_staleness_mean",
                                                       "gap_staleness_p99", "clipped_frac", "masked_frac", "corrective_frac",
@@ -172,15 +206,15 @@ def cell_stats(rs: list[dict], base: list[dict] | None) -> dict:
         **{k: _largest(r.get(k) for r in rs) for k in ("gap_numerics_max", "gap_staleness_max", "gap_max", "gap_proximal_max")},
     }
     if base is not None:
-        own = {r["seed"]: _gain(r) for r in base if _gain(r) is not None}
-        d = [_gain(r) - own[r["seed"]] for r in rs if _gain(r) is not None and r["seed"] in own]
+        own = {r["seed"]: metric(r) for r in base if metric(r) is not None}
+        d = [metric(r) - own[r["seed"]] for r in rs if metric(r) is not None and r["seed"] in own]
         out["vs_base"] = _mean(d)
-        out["vs_base_se"] = (_sd(d) / math.sqrt(len(d))) if len(d) > 1 else None
+        out["vs_base_se"] = _se(d)
     return out
 
 
 def learns(s: dict) -> bool:
-    """Still learning: no collapse or error, and a held-out gain above twice its standard error."""
+    """Still learning: no collapse or error, and a gain above twice its standard error."""
     return (not s["collapses"] and not s["errors"] and s["gain"] is not None and s["gain_se"] is not None
             and s["gain"] > 2 * s["gain_se"])
 
@@ -192,16 +226,17 @@ def degraded(s: dict) -> bool:
     return s.get("vs_base") is not None and s.get("vs_base_se") is not None and s["vs_base"] < -2 * s["vs_base_se"]
 
 
-def frontier(rows: list[dict]) -> dict:
+def frontier(rows: list[dict], learning: str = "heldout") -> dict:
     """For every objective and dimension: per-rung stats, the highest rung (of those run) where it
-    still learns with no lower rung degraded, and the first degraded rung."""
+    still learns with no lower rung degraded, and the first degraded rung; ``learning``: a METRICS key."""
+    metric = METRICS[learning]
     rows = [r for r in rows if r.get("model", "standin") != "smollm2"]
     base = {o: rs for (o, _), rs in _by([r for r in rows if r["rung"] == 0], "objective", "rung").items()}
     out: dict = {}
     for (objective, dimension), rs in _by([r for r in rows if r["rung"] > 0], "objective", "dimension").items():
-        ladder = {0: cell_stats(base[objective], None)} if objective in base else {}
+        ladder = {0: cell_stats(base[objective], None, metric, learning)} if objective in base else {}
         for (rung,), g in sorted(_by(rs, "rung").items()):
-            ladder[rung] = cell_stats(g, base.get(objective))
+            ladder[rung] = cell_stats(g, base.get(objective), metric, learning)
         survived, first_bad = None, None
         for rung in sorted(ladder):
             s = ladder[rung]
@@ -212,12 +247,12 @@ def frontier(rows: list[dict]) -> dict:
         out[(objective, dimension)] = {"rungs": ladder, "highest_learning": survived, "first_degraded": first_bad}
     for objective, rs in base.items():  # the base alone (no rung of any dimension run yet)
         if not any(o == objective for o, _ in out):
-            out[(objective, BASE)] = {"rungs": {0: cell_stats(rs, None)}, "highest_learning": 0 if learns(cell_stats(rs, None)) else None,
-                                      "first_degraded": None}
+            stats = cell_stats(rs, None, metric, learning)
+            out[(objective, BASE)] = {"rungs": {0: stats}, "highest_learning": 0 if learns(stats) else None, "first_degraded": None}
     return out
 
 
-STAT_HEAD = ["objective", "rung", "seeds", "held-out gain ± se", "paired vs base ± se", "train reward gain", "collapses",
+STAT_HEAD = ["objective", "rung", "seeds", "held-out gain ± se", "train reward gain ± se", "paired vs base ± se", "collapses",
              "max grad norm", "|π−μ| lag 0 mean / p99 / max", "inflight", "lag ≥ 1 mean / p99 / max", "max drift in step",
              "clipped", "masked", "corrective", "TIS capped", "regularizer share"]
 
@@ -236,8 +271,9 @@ def rung_table(result: dict, labels: dict) -> str:
         for rung, s in sorted(f["rungs"].items()):
             if rung == 0 and dimension != BASE and any(d == BASE for _, d in result):
                 continue
-            lines.append([objective, labels.get((dimension, rung), "base"), s["seeds"], _pm(s["gain"], s["gain_se"]),
-                          _pm(s.get("vs_base"), s.get("vs_base_se")) if rung else "–", s["reward_gain"], str(s["collapses"] + s["errors"]),
+            lines.append([objective, labels.get((dimension, rung), "base"), s["seeds"], _pm(s["heldout_gain"], s["heldout_gain_se"]),
+                          _pm(s["reward_gain"], s["reward_gain_se"]), _pm(s.get("vs_base"), s.get("vs_base_se")) if rung else "–",
+                          str(s["collapses"] + s["errors"]),
                           s["grad_norm_max"], _triple(s, "numerics"), s["gap_inflight_mean"], _triple(s, "staleness"), s["gap_proximal_max"],
                           s["clipped_frac"], s["masked_frac"], s["corrective_frac"], s["behaviour_capped_frac"], s["regularizer_share"]])
     return _markdown(STAT_HEAD, lines)
@@ -286,7 +322,7 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result, labels = frontier(rows), labels_of(grid)
+    result, labels = frontier(rows, grid.get("learning", "heldout")), labels_of(grid)
     dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)] or [BASE]
     objectives = [o["name"] for o in grid["objectives"]]
     paths = []
@@ -324,12 +360,16 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
 
 
 def report(rows: list[dict], grid: dict) -> str:
-    result, labels = frontier(rows), labels_of(grid)
-    noise = paired_noise([r for r in rows if r.get("model", "standin") != "smollm2"])
-    ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
-    crn = (f"Common random numbers: the sd of two objectives' held-out gain difference is {_fmt(noise['paired_sd'])} paired by seed "
-           f"({noise['paired_n']} differences) against {_fmt(noise['unpaired_sd'])} unpaired ({noise['unpaired_n']})"
-           + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
+    learning = grid.get("learning", "heldout")
+    result, labels = frontier(rows, learning), labels_of(grid)
+    crn = []
+    for name, metric in (("held-out accuracy gain", _gain), ("train reward gain", _reward_gain)):
+        noise = paired_noise([r for r in rows if r.get("model", "standin") != "smollm2"], metric)
+        ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
+        crn.append(f"- {name}: sd of two objectives' difference {_fmt(noise['paired_sd'])} paired by seed ({noise['paired_n']} differences) "
+                   f"against {_fmt(noise['unpaired_sd'])} unpaired ({noise['unpaired_n']})" + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
+    crn = "Common random numbers (cells of one seed draw the same completions until their policies differ):\n" + "\n".join(crn)
+    crn += f"\n\nVerdicts below measure learning by the {'held-out accuracy' if learning == 'heldout' else 'train reward'} gain (grid `learning: {learning}`)."
     seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
     return (f"{len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n### Highest rung still learning, first degraded rung\n\n"
             f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{rung_table(result, labels)}\n"

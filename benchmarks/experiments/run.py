@@ -98,12 +98,13 @@ def summarize(run_dir: Path, target: float) -> dict:
         if best > 0 and e["accuracy"] < COLLAPSE_DROP * best:
             collapses += 1
         best = max(best, e["accuracy"])
-    collapses += sum(not math.isfinite(s.get("learner/loss", 0.0)) or not math.isfinite(s.get("learner/grad_norm", 0.0)) for s in steps)
+    nonfinite = sum(not math.isfinite(s.get("learner/loss", 0.0)) or not math.isfinite(s.get("learner/grad_norm", 0.0)) for s in steps)
+    collapses += nonfinite
     reached = [e["step"] for e in evals if e["accuracy"] >= target]
     return {
         "start_accuracy": evals[0]["accuracy"] if evals else None, "final_accuracy": evals[-1]["accuracy"] if evals else None,
         "best_accuracy": best if evals else None, "eval_samples": evals[-1]["samples"] if evals else 0,
-        "steps_to_target": reached[0] if reached else None, "collapses": collapses,
+        "steps_to_target": reached[0] if reached else None, "collapses": collapses, "nonfinite_steps": nonfinite,
         "gap_lag0": mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": mean("gap/staleness/abs_shift_mean"),
         "corrective_frac": mean("objective/corrective_frac"), "regularizer_mean": mean("objective/regularizer_mean"),
         "gap_max": largest("gap/abs_shift_max"), "grad_norm_max": largest("learner/grad_norm"),
