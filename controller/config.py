@@ -281,7 +281,7 @@ class MetricsConfig(_Config):
     progress: bool = Field(True, description="Live progress bar on stderr.")
     rollouts: bool = Field(
         False, description="Also write every trained sample to RUN_DIR/rollouts.jsonl (step, prompt id, epoch, sample index, "
-        "response text and ids, reward, verdict, finish, token versions), like verl's rollout_data_dir.",
+        "response text and ids, reward, verdict, finish, prompt version, first and last token version), like verl's rollout_data_dir.",
     )
     linger_seconds: float = Field(0.0, ge=0.0, description="Keep the endpoint up this long after the run, for a last scrape.")
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(

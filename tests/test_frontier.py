@@ -5,6 +5,7 @@ definitions say, and the CI smoke ladder trains every cell through drpo train an
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ def test_every_cell_is_the_base_plus_one_rung_and_its_objective_and_seed():
     assert len(seeds) >= 3 and len(every) == len(objectives) * len(ladder) * len(seeds) == len({c.name for c in every})
     names = {o["name"] for o in objectives}
     assert {"grpo", "grpo_tis", "spo", "dppo_binary_tv", "drpo", "drpo_d0.15"} <= names
-    assert {"updates", "staleness", "lr", "precision", "length"} <= set(grid["ladder"])
+    assert {"updates", "staleness", "lr", "precision"} <= set(grid["ladder"])
     by_obj = {o["name"]: o for o in objectives}
     for c in every:
         obj = by_obj[c.objective]
@@ -36,9 +37,12 @@ def test_every_cell_is_the_base_plus_one_rung_and_its_objective_and_seed():
         rung = {} if c.rung == 0 else grid["ladder"][c.dimension][c.rung - 1]
         assert list(middle) == [f"{k}={json.dumps(v)}" for k, v in rung.items() if k != "model"]  # one rung, nothing else
         assert (c.dimension == BASE) == (c.rung == 0)
+    flat = {}
+    for key, value in grid["base"].items():  # nested mappings as dotted keys, as overrides name them
+        flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
     for dimension, rung, over in ladder:  # a rung changes what the base sets (it is not the base again)
         for key, value in over.items():
-            assert key == "model" or grid["base"].get(key) != value, (dimension, rung, key)
+            assert key in flat and flat[key] != value, (dimension, rung, key)
     assert [c.setting for c in calibration_cells(grid)] == grid["calibration"]["rungs"]
     with pytest.raises(ValueError, match="unknown slice"):
         cells(grid, slices=["updates:9"])
@@ -55,8 +59,10 @@ def test_paired_noise_and_frontier_verdicts_follow_their_definitions():
     seed_effect = {0: 0.0, 1: 0.2, 2: 0.4}
     rows = [_row(o, 0, s, 0.1, 0.3 + seed_effect[s] + (0.01 * s if o == "b" else 0.0)) for o in "ab" for s in range(3)]
     noise = paired_noise(rows)
-    # paired differences are 0, -0.01, -0.02: centred, sd 0.01; unpaired ones carry the seed effect
-    assert noise["paired_sd"] == pytest.approx(0.01) and noise["unpaired_sd"] > 10 * noise["paired_sd"] and noise["paired_n"] == 3
+    # paired differences are 0, -0.01, -0.02: sd 0.01; unpaired: var(a) + var(b) carries the seed effect twice
+    a_vals, b_vals = [0.2 + seed_effect[s] for s in range(3)], [0.2 + seed_effect[s] + 0.01 * s for s in range(3)]
+    assert noise["paired_sd"] == pytest.approx(0.01) and noise["dof"] == 2
+    assert noise["unpaired_sd"] == pytest.approx((statistics.variance(a_vals) + statistics.variance(b_vals)) ** 0.5)
     rows += [_row("a", 1, s, 0.1, 0.3 + seed_effect[s]) for s in range(3)]  # the same as its base: still learning
     rows += [_row("a", 2, s, 0.1, 0.12 + 0.001 * s) for s in range(3)]  # learns a little, but a paired drop from base
     rows += [_row("b", 1, s, 0.1, 0.05, collapses=int(s == 0)) for s in range(3)]  # a collapse at rung 1

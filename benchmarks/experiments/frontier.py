@@ -45,6 +45,8 @@ class Cell:
     seed: int
     overrides: tuple[str, ...]
     model: str = "standin"
+    calibration: bool = False
+    """A SmolLM2 gap-calibration cell (``calibration`` in the grid), not a frontier cell."""
 
     @property
     def setting(self) -> str:
@@ -52,11 +54,11 @@ class Cell:
 
     def row(self) -> dict:
         return {"cell": self.name, "objective": self.objective, "dimension": self.dimension, "rung": self.rung, "label": self.label,
-                "setting": self.setting, "seed": self.seed, "model": self.model}
+                "setting": self.setting, "seed": self.seed, "model": self.model, "calibration": self.calibration}
 
 
 def rung_label(overrides: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items() if k != "model")
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items())
 
 
 def rungs(grid: dict) -> list[tuple[str, int, dict]]:
@@ -64,8 +66,8 @@ def rungs(grid: dict) -> list[tuple[str, int, dict]]:
     out = [(BASE, 0, {})]
     for dimension, ladder in grid["ladder"].items():
         for i, over in enumerate(ladder, start=1):
-            if not isinstance(over, dict) or not over:
-                raise ValueError(f"ladder.{dimension}[{i - 1}] must be a non-empty mapping of overrides, got {over!r}")
+            if not isinstance(over, dict) or not over or "model" in over:
+                raise ValueError(f"ladder.{dimension}[{i - 1}] must be a non-empty mapping of config overrides (the model is the grid's), got {over!r}")
             out.append((dimension, i, over))
     return out
 
@@ -81,14 +83,14 @@ def cells(grid: dict, only: set[str] | None = None, slices: list[str] | None = N
     for dimension, rung, over in rungs(grid):
         if chosen and not ({dimension, f"{dimension}:{rung}"} & chosen):
             continue
-        model = over.get("model", grid.get("model", "standin"))
+        model = grid.get("model", "standin")
         for obj in grid["objectives"]:
             if only and obj["name"] not in only:
                 continue
             for seed in grid["seeds"]:
                 setting = BASE if rung == 0 else f"{dimension}{rung}"
                 over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
-                             *_overrides({k: v for k, v in over.items() if k != "model"}), f"seed={seed}"]
+                             *_overrides(over), f"seed={seed}"]
                 out.append(Cell(f"{obj['name']}-{setting}-s{seed}", obj["name"], dimension, rung, rung_label(over) or "base",
                                 seed, tuple(over_cell), model))
     return out
@@ -105,10 +107,10 @@ def calibration_cells(grid: dict) -> list[Cell]:
     for key in cal["rungs"]:
         dimension, rung, over = by_key[key]
         over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
-                     *_overrides({k: v for k, v in over.items() if k != "model"}), *_overrides(cal.get("overrides", {})), f"seed={cal['seed']}"]
+                     *_overrides(over), f"seed={cal['seed']}"]
         setting = BASE if rung == 0 else f"{dimension}{rung}"
         out.append(Cell(f"smollm2-{obj['name']}-{setting}-s{cal['seed']}", obj["name"], dimension, rung, rung_label(over) or "base",
-                        cal["seed"], tuple(over_cell), "smollm2"))
+                        cal["seed"], tuple(over_cell), "smollm2", calibration=True))
     return out
 
 
@@ -157,26 +159,28 @@ def _by(rows: list[dict], *keys) -> dict:
 
 
 def paired_noise(rows: list[dict], metric=_gain) -> dict:
-    """What common random numbers buy: for every pair of objectives at every rung, the sd of their
-    differences paired by seed (same draws until the policies differ) against unpaired (different
-    seeds). Returns the pooled sds and how many differences each pooled."""
-    paired, unpaired = [], []
+    """What common random numbers buy: for every pair of objectives (a, b) at every rung, the
+    variance of their difference a_s - b_s paired by seed (same draws until the policies differ)
+    against that of an unpaired difference, var(a) + var(b) (what independent runs would give);
+    each with n - 1 degrees of freedom, pooled over pairs and rungs weighted by them. Returns both
+    sds and the degrees of freedom pooled."""
+    paired = unpaired = 0.0
+    dof = 0
     for (_, _), rs in _by(rows, "dimension", "rung").items():
         per = {o: {r["seed"]: metric(r) for r in g if metric(r) is not None} for (o,), g in _by(rs, "objective").items()}
         names = sorted(per)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 seeds = sorted(set(per[a]) & set(per[b]))
-                d = [per[a][s] - per[b][s] for s in seeds]
-                if len(d) > 1:
-                    m = sum(d) / len(d)
-                    paired += [x - m for x in d]  # centred per pair: the spread, not the objectives' difference
-                u = [per[a][s] - per[b][t] for s in seeds for t in seeds if s != t]
-                if len(u) > 1:
-                    m = sum(u) / len(u)
-                    unpaired += [x - m for x in u]
-    sd = lambda xs: math.sqrt(sum(x * x for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None  # noqa: E731
-    return {"paired_sd": sd(paired), "unpaired_sd": sd(unpaired), "paired_n": len(paired), "unpaired_n": len(unpaired)}
+                if len(seeds) < 2:
+                    continue
+                n = len(seeds)
+                paired += (n - 1) * statistics.variance([per[a][s] - per[b][s] for s in seeds])
+                unpaired += (n - 1) * (statistics.variance([per[a][s] for s in seeds]) + statistics.variance([per[b][s] for s in seeds]))
+                dof += n - 1
+    if not dof:
+        return {"paired_sd": None, "unpaired_sd": None, "dof": 0}
+    return {"paired_sd": math.sqrt(paired / dof), "unpaired_sd": math.sqrt(unpaired / dof), "dof": dof}
 
 
 METRICS = {"heldout": _gain, "reward": _reward_gain}
@@ -230,7 +234,7 @@ def frontier(rows: list[dict], learning: str = "heldout") -> dict:
     """For every objective and dimension: per-rung stats, the highest rung (of those run) where it
     still learns with no lower rung degraded, and the first degraded rung; ``learning``: a METRICS key."""
     metric = METRICS[learning]
-    rows = [r for r in rows if r.get("model", "standin") != "smollm2"]
+    rows = [r for r in rows if not r.get("calibration")]
     base = {o: rs for (o, _), rs in _by([r for r in rows if r["rung"] == 0], "objective", "rung").items()}
     out: dict = {}
     for (objective, dimension), rs in _by([r for r in rows if r["rung"] > 0], "objective", "dimension").items():
@@ -298,16 +302,16 @@ def summary_table(result: dict, labels: dict, grid: dict) -> str:
 
 def calibration_table(rows: list[dict]) -> str:
     """SmolLM2's measured gap next to the stand-in's at the same rung and objective (seed-mean)."""
-    small = [r for r in rows if r.get("model") == "smollm2"]
+    small = [r for r in rows if r.get("calibration")]
     lines = []
     for r in small:
-        peers = [p for p in rows if p.get("model", "standin") != "smollm2" and p["objective"] == r["objective"]
+        peers = [p for p in rows if not p.get("calibration") and p["objective"] == r["objective"]
                  and p["dimension"] == r["dimension"] and p["rung"] == r["rung"]]
         for who, rs in (("SmolLM2-135M", [r]), ("stand-in", peers)):
             if rs:
-                lines.append([r["label"], who, len(rs), _mean(x.get("gap_numerics_mean") for x in rs), _largest(x.get("gap_numerics_max") for x in rs),
-                              _mean(x.get("gap_staleness_mean") for x in rs), _largest(x.get("gap_staleness_max") for x in rs)])
-    return _markdown(["rung", "model", "cells", "|π−μ| lag 0 mean", "lag 0 max", "lag ≥ 1 mean", "lag ≥ 1 max"], lines)
+                lines.append([r["label"], who, len(rs), _mean(x.get("gap_numerics_mean") for x in rs), _mean(x.get("gap_numerics_p99") for x in rs),
+                              _largest(x.get("gap_numerics_max") for x in rs), _largest(x.get("gap_proximal_max") for x in rs)])
+    return _markdown(["rung", "model", "cells", "|π−μ| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
 
 
 def labels_of(grid: dict) -> dict:
@@ -326,7 +330,8 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
     dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)] or [BASE]
     objectives = [o["name"] for o in grid["objectives"]]
     paths = []
-    for name, panels in (("frontier.png", [("gain", "held-out gain (final − start)")]),
+    gain_name = "held-out gain (final − start)" if grid.get("learning", "heldout") == "heldout" else "train reward gain (last 5 − first 5 steps)"
+    for name, panels in (("frontier.png", [("gain", gain_name)]),
                          ("frontier_gap.png", [("gap_numerics_mean", "mean |π−μ|, lag 0"), ("gap_staleness_mean", "mean |π−μ|, lag ≥ 1"),
                                                ("gap_proximal_max", "max |π−π_step start|")])):
         fig, axes = plt.subplots(len(panels), len(dims), figsize=(4.2 * len(dims), 3.2 * len(panels)), squeeze=False)
@@ -364,16 +369,17 @@ def report(rows: list[dict], grid: dict) -> str:
     result, labels = frontier(rows, learning), labels_of(grid)
     crn = []
     for name, metric in (("held-out accuracy gain", _gain), ("train reward gain", _reward_gain)):
-        noise = paired_noise([r for r in rows if r.get("model", "standin") != "smollm2"], metric)
+        noise = paired_noise([r for r in rows if not r.get("calibration")], metric)
         ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
-        crn.append(f"- {name}: sd of two objectives' difference {_fmt(noise['paired_sd'])} paired by seed ({noise['paired_n']} differences) "
-                   f"against {_fmt(noise['unpaired_sd'])} unpaired ({noise['unpaired_n']})" + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
+        crn.append(f"- {name}: sd of two objectives' difference {_fmt(noise['paired_sd'])} paired by seed, against {_fmt(noise['unpaired_sd'])} "
+                   f"for unpaired runs (sqrt(var a + var b)); {noise['dof']} degrees of freedom pooled over objective pairs and rungs"
+                   + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
     crn = "Common random numbers (cells of one seed draw the same completions until their policies differ):\n" + "\n".join(crn)
     crn += f"\n\nVerdicts below measure learning by the {'held-out accuracy' if learning == 'heldout' else 'train reward'} gain (grid `learning: {learning}`)."
     seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
     return (f"{len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n### Highest rung still learning, first degraded rung\n\n"
             f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{rung_table(result, labels)}\n"
-            + (f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n" if any(r.get("model") == "smollm2" for r in rows) else ""))
+            + (f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n" if any(r.get("calibration") for r in rows) else ""))
 
 
 def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: str) -> None:
@@ -387,7 +393,7 @@ def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: s
     for name in ("frontier.png", "frontier_gap.png"):
         shutil.copy(out / name, assets / name)
     block = (f"{RESULTS_BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
-             f"--docs {path}`.\n\n{report(rows, grid)}\n![held-out gain by rung]({assets.name}/frontier.png)\n\n"
+             f"--docs {path}`.\n\n{report(rows, grid)}\n![learning gain by rung]({assets.name}/frontier.png)\n\n"
              f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n{RESULTS_END}")
     old = path.read_text() if path.is_file() else f"# Results\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
     if RESULTS_BEGIN not in old or RESULTS_END not in old:
@@ -400,7 +406,7 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     """Run ``todo`` (finished cells are read back), then return the rows of every finished cell of the grid."""
     base = _overrides(grid["base"])
     calib = grid.get("calibration", {})
-    run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.model == "smollm2" else [])],
+    run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.calibration else [])],
               grid["target_accuracy"], log)
     finished = [c for c in [*cells(grid), *calibration_cells(grid)] if (out / "cells" / c.name / "summary.json").is_file()]
     rows = run_cells(finished, out, lambda c: [], grid["target_accuracy"], log)  # read back only: all are finished

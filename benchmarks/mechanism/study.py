@@ -98,12 +98,15 @@ def weights(obj: Objective, policy_logp: torch.Tensor, rollout_logp: torch.Tenso
     raise ValueError(f"no closed form for {kind}")
 
 
-def token_losses(obj: Objective, policy_logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """The objectives library's per-token loss (what the learner runs), at pi_old = pi for TIS."""
+def token_losses(obj: Objective, policy_logp: torch.Tensor, rollout_logp: torch.Tensor, adv: torch.Tensor,
+                 proximal_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """The objectives library's per-token loss (what the learner runs); TIS anchors at
+    ``proximal_logp`` (pi at the start of the step; default: pi now, the first update)."""
     cfg = objectives.make_config(obj.config["type"], **{k: v for k, v in obj.config.items() if k != "type"})
     mask = torch.ones_like(adv, dtype=torch.bool)
     if obj.tis_cap is not None:
-        inputs, _ = decoupled_inputs(policy_logp, rollout_logp, policy_logp.detach(), adv, mask, obj.tis_cap)
+        prox = policy_logp.detach() if proximal_logp is None else proximal_logp
+        inputs, _ = decoupled_inputs(policy_logp, rollout_logp, prox, adv, mask, obj.tis_cap)
     else:
         inputs = objectives.ObjectiveInputs(policy_logp, rollout_logp, adv, mask)
     return objectives.compute(cfg, inputs).loss
@@ -161,14 +164,16 @@ def sample(log_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def drift(obj: Objective, z0: torch.Tensor, log_mu: torch.Tensor, y: torch.Tensor, adv: torch.Tensor, updates: int, lr: float) -> list[dict]:
     """Repeated SGD updates of the logits on one batch with the library's loss (its sum over the
-    batch): after each, mean and max |pi - mu| at the sampled tokens and the share beyond 0.15."""
+    batch; TIS anchored at pi before the first update, as the learner holds it for the step): after
+    each, mean and max |pi - mu| at the sampled tokens and the share beyond 0.15."""
     z = z0.clone().requires_grad_(True)
     mu_y = log_mu.gather(1, y[:, None]).squeeze(1).exp()
     rollout_logp = log_mu.gather(1, y[:, None]).squeeze(1)
+    proximal = torch.log_softmax(z0, dim=-1).gather(1, y[:, None]).squeeze(1)  # the step's start: held for every update
     out = []
     for _ in range(updates):
         logp = torch.log_softmax(z, dim=-1).gather(1, y[:, None]).squeeze(1)
-        loss = token_losses(obj, logp[None], rollout_logp[None], adv[None]).sum()
+        loss = token_losses(obj, logp[None], rollout_logp[None], adv[None], proximal[None]).sum()
         (grad,) = torch.autograd.grad(loss, z)
         with torch.no_grad():
             z -= lr * grad
