@@ -78,7 +78,11 @@ def cells(grid: dict, only: set[str] | None = None, slices: list[str] | None = N
     chosen = None if not slices else set(slices)
     known = {BASE} | set(grid["ladder"]) | {f"{d}:{r}" for d, r, _ in rungs(grid) if r}
     if chosen and chosen - known:
-        raise ValueError(f"unknown slice(s) {sorted(chosen - known)}; the grid has {sorted(known)}")
+        raise ValueError(f"unknown slice(s) {sorted(chosen - known)}; the grid has {sorted(known)} and calibration "
+                         "(DIMENSION:N is the dimension's N-th rung, 1-based)")
+    names = {o["name"] for o in grid["objectives"]}
+    if only and only - names:
+        raise ValueError(f"unknown objective(s) {sorted(only - names)}; the grid has {sorted(names)}")
     out = []
     for dimension, rung, over in rungs(grid):
         if chosen and not ({dimension, f"{dimension}:{rung}"} & chosen):
@@ -269,24 +273,55 @@ def _triple(s, part) -> str:
     return " / ".join(_fmt(s.get(f"gap_{part}_{k}"), 2) for k in ("mean", "p99", "max"))
 
 
-def rung_table(result: dict, labels: dict) -> str:
+def _order(result: dict, grid: dict) -> tuple[list[str], list[str]]:
+    """Objectives and dimensions present in ``result``, in the grid's order."""
+    objectives = [o["name"] for o in grid["objectives"] if any(oo == o["name"] for oo, _ in result)]
+    dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)]
+    return objectives, dims
+
+
+def rung_table(result: dict, labels: dict, grid: dict) -> str:
+    """One line per objective and rung: the base once per objective, then each dimension's rungs."""
+    objectives, dims = _order(result, grid)
     lines = []
-    for (objective, dimension), f in sorted(result.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        for rung, s in sorted(f["rungs"].items()):
-            if rung == 0 and dimension != BASE and any(d == BASE for _, d in result):
-                continue
-            lines.append([objective, labels.get((dimension, rung), "base"), s["seeds"], _pm(s["heldout_gain"], s["heldout_gain_se"]),
-                          _pm(s["reward_gain"], s["reward_gain_se"]), _pm(s.get("vs_base"), s.get("vs_base_se")) if rung else "–",
-                          str(s["collapses"] + s["errors"]),
-                          s["grad_norm_max"], _triple(s, "numerics"), s["gap_inflight_mean"], _triple(s, "staleness"), s["gap_proximal_max"],
-                          s["clipped_frac"], s["masked_frac"], s["corrective_frac"], s["behaviour_capped_frac"], s["regularizer_share"]])
+    for objective in objectives:
+        entries = [(BASE, 0, f["rungs"][0]) for (o, d), f in result.items() if o == objective and 0 in f["rungs"]][:1]
+        entries += [(d, rung, st) for d in dims for rung, st in sorted(result.get((objective, d), {"rungs": {}})["rungs"].items()) if rung]
+        for dimension, rung, st in entries:
+            lines.append([objective, labels.get((dimension, rung), "base"), st["seeds"], _pm(st["heldout_gain"], st["heldout_gain_se"]),
+                          _pm(st["reward_gain"], st["reward_gain_se"]), _pm(st.get("vs_base"), st.get("vs_base_se")) if rung else "–",
+                          str(st["collapses"] + st["errors"]),
+                          st["grad_norm_max"], _triple(st, "numerics"), st["gap_inflight_mean"], _triple(st, "staleness"), st["gap_proximal_max"],
+                          st["clipped_frac"], st["masked_frac"], st["corrective_frac"], st["behaviour_capped_frac"], st["regularizer_share"]])
     return _markdown(STAT_HEAD, lines)
 
 
+COLUMNS = (
+    "Columns: gains are means over seeds ± their standard error; *paired vs base* is the mean over seeds of (this rung's gain − the "
+    "same objective's base gain, same seed); *collapses* counts collapse events and failed cells; |π−μ| is per sampled token, at lag 0 "
+    "(engine numerics), *inflight* (lag 0 but the request began before a weight update) and lag ≥ 1 (staleness); *max drift in step* is "
+    "the largest |π − π at the step's start| over a step's later updates (measured with several updates per batch or the decoupled "
+    "anchor); *clipped* (grpo: ratio clipped), *masked* (DPPO), *corrective* (DRPO: weight w < 0) and *TIS capped* (behaviour weight at "
+    "its cap) are token fractions; *regularizer share* is DRPO's quadratic term's share of the objective's magnitude. – : not "
+    "measured for this objective or rung."
+)
+VERDICTS = (
+    "Verdicts: an objective *learns* at a rung when no seed collapsed or failed and its gain is above twice its standard error; "
+    "a rung is *degraded* when a seed collapsed or failed, or the gain paired against the objective's own base dropped by more than "
+    "twice its standard error. A *collapse* is a non-finite loss or gradient step, or the learning signal falling below half its best "
+    "so far (held-out accuracy at an evaluation, or the 5-step moving average of the training reward once that best is above 0.05). "
+    "*Learns to R* is the highest rung run with no degraded rung below it."
+)
+
+
 def summary_table(result: dict, labels: dict, grid: dict) -> str:
-    """Objective x dimension: the highest rung still learning and the first degraded one."""
-    dims = [d for d in grid["ladder"] if any(dd == d for _, dd in result)]
-    objectives = [o["name"] for o in grid["objectives"] if any(oo == o["name"] for oo, _ in result)]
+    """Objective x dimension: the highest rung still learning and the first degraded one (the
+    base's verdict in its own column)."""
+    objectives, dims = _order(result, grid)
+
+    def base_word(o):
+        f = next((f for (oo, _), f in result.items() if oo == o and 0 in f["rungs"]), None)
+        return "not run" if f is None else ("learns" if learns(f["rungs"][0]) else "does not learn")
 
     def word(o, d):
         f = result.get((o, d))
@@ -297,7 +332,7 @@ def summary_table(result: dict, labels: dict, grid: dict) -> str:
         bad = "none up to " + labels.get((d, ran), "base") if f["first_degraded"] is None else labels[(d, f["first_degraded"])]
         return f"learns to {hi}; first degraded: {bad}"
 
-    return _markdown(["objective", *dims], [[o, *[word(o, d) for d in dims]] for o in objectives])
+    return _markdown(["objective", "base", *dims], [[o, base_word(o), *[word(o, d) for d in dims]] for o in objectives])
 
 
 def calibration_table(rows: list[dict]) -> str:
@@ -354,9 +389,10 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
                 ax.set_title(f"{d}: {title}", fontsize=8)
                 if key == "gain":
                     ax.axhline(0.0, color="grey", linewidth=0.5)
-                if key != "gain":
-                    ax.set_yscale("symlog", linthresh=1e-4)
-                ax.legend(fontsize=5)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=5)
+                else:
+                    ax.text(0.5, 0.5, "not measured at these rungs", ha="center", va="center", transform=ax.transAxes, fontsize=7)
         fig.tight_layout()
         fig.savefig(Path(folder) / name, dpi=80)
         plt.close(fig)
@@ -368,17 +404,20 @@ def report(rows: list[dict], grid: dict) -> str:
     learning = grid.get("learning", "heldout")
     result, labels = frontier(rows, learning), labels_of(grid)
     crn = []
-    for name, metric in (("held-out accuracy gain", _gain), ("train reward gain", _reward_gain)):
+    early = lambda r: r.get("train_reward_first5")  # noqa: E731  (before the policies have drifted far apart)
+    for name, metric in (("held-out accuracy gain", _gain), ("train reward gain", _reward_gain), ("train reward of the first 5 steps", early)):
         noise = paired_noise([r for r in rows if not r.get("calibration")], metric)
         ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
         crn.append(f"- {name}: sd of two objectives' difference {_fmt(noise['paired_sd'])} paired by seed, against {_fmt(noise['unpaired_sd'])} "
                    f"for unpaired runs (sqrt(var a + var b)); {noise['dof']} degrees of freedom pooled over objective pairs and rungs"
-                   + (f": pairing divides the noise by {ratio:.2f}." if ratio else "."))
+                   + (f"; unpaired/paired sd ratio {ratio:.2f}." if ratio else "."))
     crn = "Common random numbers (cells of one seed draw the same completions until their policies differ):\n" + "\n".join(crn)
     crn += f"\n\nVerdicts below measure learning by the {'held-out accuracy' if learning == 'heldout' else 'train reward'} gain (grid `learning: {learning}`)."
     seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
-    return (f"{len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n### Highest rung still learning, first degraded rung\n\n"
-            f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{rung_table(result, labels)}\n"
+    total = len(cells(grid)) + len(calibration_cells(grid))
+    return (f"{len(rows)} of the grid's {total} cells finished, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n"
+            f"### Highest rung still learning, first degraded rung\n\n{VERDICTS}\n\n"
+            f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{COLUMNS}\n\n{rung_table(result, labels, grid)}\n"
             + (f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n" if any(r.get("calibration") for r in rows) else ""))
 
 
@@ -437,9 +476,10 @@ def main() -> None:
     from controller.config import load_config
     from rollout.offline_model import materialize_smollm2
 
-    smollm2 = materialize_smollm2()
-    models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
-    if todo:
+    models: dict[str, str] = {}
+    if todo:  # report mode reads finished cells only: no model is built
+        smollm2 = materialize_smollm2()
+        models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
         _init_ray(load_config())
     rows = run(grid, out, models, todo)
     plot(rows, grid, out)

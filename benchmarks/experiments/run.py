@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -144,8 +145,6 @@ def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
                 summary.update(summarize(run_dir, target))
         else:
             if run_dir.exists():
-                import shutil
-
                 shutil.rmtree(run_dir)  # an interrupted cell starts over
             cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}"])
             started = time.time()
@@ -153,6 +152,8 @@ def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
             try:
                 train(cfg)
                 summary = {**summarize(run_dir, target), "error": None}
+                for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result
+                    shutil.rmtree(run_dir / folder, ignore_errors=True)
             except Exception as err:  # a diverging run is a result, not a reason to stop the grid
                 summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
             summary["wall_seconds"] = time.time() - started
@@ -251,7 +252,6 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
     """The generated part of the report page: command, machine, tables, plot. Text outside the
     markers (the written reading of the results) is kept when the page already exists."""
     import os
-    import shutil
 
     path = Path(path)
     assets = path.parent / path.stem
