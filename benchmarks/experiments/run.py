@@ -128,6 +128,18 @@ def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = Non
     return rows
 
 
+def _summarized(run_dir: Path, target: float, error: str | None) -> dict:
+    """summarize(run_dir); a failed cell keeps what its steps measured before it failed (counted as
+    one collapse more), or only its collapse when it has no readable metrics."""
+    if error is None:
+        return summarize(run_dir, target)
+    try:
+        got = summarize(run_dir, target)
+    except (OSError, ValueError, KeyError, IndexError):
+        return {"collapses": 1}
+    return {**got, "collapses": got["collapses"] + 1}
+
+
 def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
     """Run every cell of ``todo`` (one drpo training run each, on the Ray cluster already up) into
     OUT/cells/NAME, skipping finished ones; ``base_of(cell)``: the overrides before the cell's own.
@@ -141,8 +153,7 @@ def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
         done = run_dir / "summary.json"
         if done.is_file():
             summary = json.loads(done.read_text())
-            if summary.get("error") is None:  # re-read finished cells, so new summary fields reach old cells
-                summary.update(summarize(run_dir, target))
+            summary.update(_summarized(run_dir, target, summary.get("error")))  # re-read: new summary fields reach old cells
         else:
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # an interrupted cell starts over
@@ -155,7 +166,10 @@ def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
                 for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result
                     shutil.rmtree(run_dir / folder, ignore_errors=True)
             except Exception as err:  # a diverging run is a result, not a reason to stop the grid
-                summary = {"error": f"{type(err).__name__}: {err}", "collapses": 1}
+                error = f"{type(err).__name__}: {err}"
+                summary = {**_summarized(run_dir, target, error), "error": error}
+                for folder in ("checkpoints", "hf"):
+                    shutil.rmtree(run_dir / folder, ignore_errors=True)
             summary["wall_seconds"] = time.time() - started
             done.write_text(json.dumps(summary))
         rows.append({**cell.row(), **summary})
