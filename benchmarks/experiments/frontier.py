@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.experiments.run import COLLAPSE_DROP, HERE, _fmt, _largest, _markdown, _mean, _overrides, _sd, run_cells
+from benchmarks.experiments.run import COLLAPSE_DROP, HERE, _fmt, _largest, _markdown, _mean, _overrides, _sd, copy_assets, replace_block, run_cells
 
 BASE = "base"
 RESULTS_BEGIN, RESULTS_END = "<!-- frontier:begin (written by benchmarks/experiments/frontier.py --docs) -->", "<!-- frontier:end -->"
@@ -424,21 +424,13 @@ def report(rows: list[dict], grid: dict) -> str:
 def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: str) -> None:
     """The frontier's generated block of the report page (prose outside the markers is kept)."""
     import os
-    import shutil
 
     path = Path(path)
-    assets = path.parent / path.stem
-    assets.mkdir(parents=True, exist_ok=True)
-    for name in ("frontier.png", "frontier_gap.png"):
-        shutil.copy(out / name, assets / name)
-    block = (f"{RESULTS_BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
+    assets = copy_assets(path, out, ("frontier.png", "frontier_gap.png"))
+    block = (f"\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
              f"--docs {path}`.\n\n{report(rows, grid)}\n![learning gain by rung]({assets.name}/frontier.png)\n\n"
-             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n{RESULTS_END}")
-    old = path.read_text() if path.is_file() else f"# Results\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n"
-    if RESULTS_BEGIN not in old or RESULTS_END not in old:
-        raise ValueError(f"{path} has no '{RESULTS_BEGIN}' ... '{RESULTS_END}' block to replace")
-    head, rest = old.split(RESULTS_BEGIN, 1)
-    path.write_text(head + block + rest.split(RESULTS_END, 1)[1])
+             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n")
+    replace_block(path, RESULTS_BEGIN, RESULTS_END, block)
 
 
 def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=print) -> list[dict]:

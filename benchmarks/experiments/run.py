@@ -262,30 +262,43 @@ def noise_floor(rows: list[dict]) -> str:
 BEGIN, END = "<!-- results:begin (written by benchmarks/experiments/run.py --docs) -->", "<!-- results:end -->"
 
 
+def copy_assets(path: Path, out: Path, names) -> Path:
+    """Copy the plots ``names`` from ``out`` into the page's assets folder (PAGE_STEM/ beside it)."""
+    assets = Path(path).parent / Path(path).stem
+    assets.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copy(Path(out) / name, assets / name)
+    return assets
+
+
+def replace_block(path: Path, begin: str, end: str, body: str) -> None:
+    """Write ``body`` between the page's ``begin`` and ``end`` markers, keeping the text around them
+    (a missing page is created with only the block; a page without the markers is refused)."""
+    path = Path(path)
+    old = path.read_text() if path.is_file() else f"# Results\n\n{begin}\n{end}\n"
+    if begin not in old or end not in old:
+        raise ValueError(f"{path} has no '{begin}' ... '{end}' block to replace")
+    head, rest = old.split(begin, 1)
+    path.write_text(head + begin + body + end + rest.split(end, 1)[1])
+
+
 def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: dict) -> None:
     """The generated part of the report page: command, machine, tables, plot. Text outside the
     markers (the written reading of the results) is kept when the page already exists."""
     import os
 
     path = Path(path)
-    assets = path.parent / path.stem
-    assets.mkdir(parents=True, exist_ok=True)
-    for name in PLOTS:
-        shutil.copy(out / name, assets / name)
+    assets = copy_assets(path, out, PLOTS)
     seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
     generated = (
-        f"{BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {os.path.relpath(grid_path)} --docs {path}` "
+        f"\n\nCommand: `.venv/bin/python -m benchmarks.experiments.run --grid {os.path.relpath(grid_path)} --docs {path}` "
         f"(model: {grid['model']}); machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; {len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n"
         f"{noise_floor(rows)}\n\n### By objective (pooled over settings and seeds)\n\n{objective_table(rows)}\n"
         f"### By objective and setting (means over seeds)\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
-        f"![final minus start accuracy]({assets.name}/gain.png)\n\n![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n{END}"
+        f"![final minus start accuracy]({assets.name}/gain.png)\n\n![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n"
     )
-    old = path.read_text() if path.is_file() else f"# Results\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in old or END not in old:
-        raise ValueError(f"{path} has no '{BEGIN}' ... '{END}' block to replace")
-    head, rest = old.split(BEGIN, 1)
-    path.write_text(head + generated + rest.split(END, 1)[1])
+    replace_block(path, BEGIN, END, generated)
 
 
 PLOTS = ("accuracy.png", "gain.png")

@@ -310,21 +310,14 @@ def plot(result: dict, folder: Path) -> list[Path]:
 
 
 def write_docs(path: Path, result: dict, out: Path) -> None:
-    import shutil
+    from benchmarks.experiments.run import copy_assets, replace_block
 
     path = Path(path)
-    assets = path.parent / path.stem
-    assets.mkdir(parents=True, exist_ok=True)
-    for name in PLOTS:
-        shutil.copy(out / name, assets / name)
-    block = (f"{BEGIN}\n\nCommand: `.venv/bin/python -m benchmarks.mechanism.study --docs {path}` "
+    assets = copy_assets(path, out, PLOTS)
+    block = (f"\n\nCommand: `.venv/bin/python -m benchmarks.mechanism.study --docs {path}` "
              f"(seed {result['seed']}).\n\n{tables(result)}\n"
-             + "".join(f"![{n}]({assets.name}/{n})\n\n" for n in PLOTS) + END)
-    old = path.read_text() if path.is_file() else f"# Results\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in old or END not in old:
-        raise ValueError(f"{path} has no '{BEGIN}' ... '{END}' block to replace")
-    head, rest = old.split(BEGIN, 1)
-    path.write_text(head + block + rest.split(END, 1)[1])
+             + "".join(f"![{n}]({assets.name}/{n})\n\n" for n in PLOTS))
+    replace_block(path, BEGIN, END, block)
 
 
 def main() -> None:
