@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from benchmarks.experiments.frontier import (
-    BASE, calibration_cells, cells, collapses, frontier, learns, paired_noise, plot, report, rungs, write_docs, RESULTS_BEGIN, RESULTS_END,
+    BASE, calibration_cells, cells, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, read_archive, report, rungs, run, write_archive, write_docs,
+    RESULTS_BEGIN, RESULTS_END,
 )
 from benchmarks.experiments.run import HERE
 
@@ -83,17 +84,29 @@ def test_a_collapse_of_the_training_reward_is_a_fall_of_its_moving_average_below
     assert collapses({"collapses": 2, "error": None}, "heldout") == 2
 
 
+def test_an_entropy_collapse_degrades_a_rung_the_training_reward_cannot_see():
+    # the reward (of the groups still trained) holds while the policy goes deterministic
+    cooling = [[i, 1.1 * 0.75 ** i] for i in range(20)]  # 5-step mean falls below a tenth of the first 5 steps'
+    assert entropy_collapsed({"entropy_curve": cooling}) and not entropy_collapsed({"entropy_curve": [[i, 1.1 - 0.02 * i] for i in range(20)]})
+    assert not entropy_collapsed({"entropy_curve": cooling[:8]})  # too short to tell
+    rows = [{**_row("a", r, s, 0.1, 0.1), "reward_curve": [[i, 0.2 + 0.02 * i] for i in range(20)],
+             "train_reward_first5": 0.24, "train_reward_last5": 0.54 + 0.01 * s,
+             "entropy_curve": cooling if (r == 1 and s == 1) else [[i, 1.0] for i in range(20)]} for r in (0, 1) for s in range(3)]
+    result = frontier(rows, "reward")[("a", "updates")]
+    assert collapses(rows[4], "reward") == 0 and result["rungs"][1]["entropy_collapses"] == 1
+    assert learns(result["rungs"][0]) and result["first_degraded"] == 1 and result["highest_learning"] == 0
+
+
 
 
 @pytest.mark.ray
 @pytest.mark.engine
 @pytest.mark.slow
 def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny_chat_model, tmp_path):
-    from benchmarks.experiments.frontier import run
-
     grid = _grid("frontier_smoke.yaml")
     todo = cells(grid)
-    rows = run(grid, tmp_path, {"given": str(tiny_chat_model)}, todo)
+    archive = tmp_path / "archive.jsonl"
+    rows = run(grid, tmp_path, {"given": str(tiny_chat_model)}, todo, archive=archive)
     assert sorted(r["cell"] for r in rows) == sorted(c.name for c in todo) and len(rows) == 8
     for r in rows:
         assert r["error"] is None, r["error"]
@@ -115,3 +128,23 @@ def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny
     stamps = {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
     assert run(grid, tmp_path, {"given": str(tiny_chat_model)}, todo) == rows  # resumed: nothing runs again
     assert stamps == {r["cell"]: (tmp_path / "cells" / r["cell"] / "metrics.jsonl").stat().st_mtime_ns for r in rows}
+    # a fresh checkout has no run folders, only the archive: nothing runs again (no model is given) and the rows are the same
+    assert [r["cell"] for r in map(json.loads, archive.read_text().splitlines())] == [c.name for c in todo]
+    assert run(grid, tmp_path / "fresh", {}, todo, archive=archive) == rows and not (tmp_path / "fresh" / "cells").exists()
+
+
+def test_archive_keeps_this_grids_cells_and_leaves_other_rows_alone(tmp_path):
+    grid = _grid("frontier_smoke.yaml")
+    a, b = cells(grid)[:2]
+    stale = {**a.row(), "cell": b.name, "overrides": ["learner.optimizer.lr=0.5"], "final_accuracy": 0.9}  # b's name, another grid version's rung
+    foreign = {"cell": "not-in-this-grid", "final_accuracy": 0.1}
+    path = tmp_path / "archive.jsonl"
+    write_archive(path, [{**a.row(), "final_accuracy": 0.4}], [stale, foreign])
+    kept, other = read_archive(path, grid)
+    assert list(kept) == [a.name] and kept[a.name]["final_accuracy"] == 0.4 and other == [stale, foreign]
+    rows = run(grid, tmp_path / "out", {}, [a], archive=path)  # a is finished: not run (no model is given), b's stale row is not its result
+    assert [r["cell"] for r in rows] == [a.name]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [kept[a.name], stale, foreign]  # nothing dropped
+    path.write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ValueError, match=r"archive.jsonl:4: not a frontier cell row"):
+        read_archive(path, grid)

@@ -54,7 +54,8 @@ class Cell:
 
     def row(self) -> dict:
         return {"cell": self.name, "objective": self.objective, "dimension": self.dimension, "rung": self.rung, "label": self.label,
-                "setting": self.setting, "seed": self.seed, "model": self.model, "calibration": self.calibration}
+                "setting": self.setting, "seed": self.seed, "model": self.model, "calibration": self.calibration,
+                "overrides": list(self.overrides)}
 
 
 def rung_label(overrides: dict) -> str:
@@ -155,6 +156,20 @@ def collapses(r: dict, learning: str) -> int:
     return events + r.get("nonfinite_steps", 0)
 
 
+ENTROPY_FLOOR = 0.1
+
+
+def entropy_collapsed(r: dict) -> bool:
+    """The policy went (near) deterministic: the REWARD_WINDOW-step moving average of the learner's
+    mean token entropy fell below ENTROPY_FLOOR of its first window's. The training reward cannot
+    show this: groups whose rewards are all equal are filtered before ``reward/mean``."""
+    values = [v for _, v in r.get("entropy_curve") or [] if v is not None and math.isfinite(v)]
+    if len(values) < 2 * REWARD_WINDOW:
+        return False
+    windows = [sum(values[i - REWARD_WINDOW:i]) / REWARD_WINDOW for i in range(REWARD_WINDOW, len(values) + 1)]
+    return windows[0] > 0 and min(windows) < ENTROPY_FLOOR * windows[0]
+
+
 def _by(rows: list[dict], *keys) -> dict:
     out: dict = {}
     for r in rows:
@@ -207,6 +222,9 @@ def cell_stats(rs: list[dict], base: list[dict] | None, metric=_gain, learning: 
         "seeds": len(rs), "gain": _mean(gains), "gain_se": _se(gains), "heldout_gain": _mean(heldout), "heldout_gain_se": _se(heldout),
         "reward_gain": _mean(rewards), "reward_gain_se": _se(rewards), "final": _mean(r.get("final_accuracy") for r in rs),
         "collapses": sum(collapses(r, learning) for r in rs), "errors": sum(r.get("error") is not None for r in rs),
+        "entropy_collapses": sum(entropy_collapsed(r) for r in rs),
+        "entropy_last": _mean(next((v for _, v in reversed(r.get("entropy_curve") or []) if v is not None), None) for r in rs),
+        "filtered_frac_last5": _mean(r.get("filtered_frac_last5") for r in rs),
         "grad_norm_max": _largest(r.get("grad_norm_max") for r in rs),
         **{k: _mean(r.get(k) for r in rs) for k in ("gap_numerics_mean", "gap_numerics_p99", "gap_inflight_mean", "gap_staleness_mean",
                                                       "gap_staleness_p99", "clipped_frac", "masked_frac", "corrective_frac",
@@ -222,14 +240,15 @@ def cell_stats(rs: list[dict], base: list[dict] | None, metric=_gain, learning: 
 
 
 def learns(s: dict) -> bool:
-    """Still learning: no collapse or error, and a gain above twice its standard error."""
-    return (not s["collapses"] and not s["errors"] and s["gain"] is not None and s["gain_se"] is not None
-            and s["gain"] > 2 * s["gain_se"])
+    """Still learning: no collapse (of the learning signal or of the entropy) or error, and a gain above twice its standard error."""
+    return (not s["collapses"] and not s["errors"] and not s.get("entropy_collapses") and s["gain"] is not None
+            and s["gain_se"] is not None and s["gain"] > 2 * s["gain_se"])
 
 
 def degraded(s: dict) -> bool:
-    """Worse than its own base: a collapse or error, or a paired drop beyond twice its standard error."""
-    if s["collapses"] or s["errors"]:
+    """Worse than its own base: a collapse (of the learning signal or of the entropy) or error, or a
+    paired drop beyond twice its standard error."""
+    if s["collapses"] or s["errors"] or s.get("entropy_collapses"):
         return True
     return s.get("vs_base") is not None and s.get("vs_base_se") is not None and s["vs_base"] < -2 * s["vs_base_se"]
 
@@ -261,6 +280,7 @@ def frontier(rows: list[dict], learning: str = "heldout") -> dict:
 
 
 STAT_HEAD = ["objective", "rung", "seeds", "held-out gain ± se", "train reward gain ± se", "paired vs base ± se", "collapses",
+             "entropy collapses", "last entropy", "filtered groups (last 5 steps)",
              "max grad norm", "|π−μ| lag 0 mean / p99 / max", "inflight", "lag ≥ 1 mean / p99 / max", "max drift in step",
              "clipped", "masked", "corrective", "TIS capped", "regularizer share"]
 
@@ -290,7 +310,7 @@ def rung_table(result: dict, labels: dict, grid: dict) -> str:
         for dimension, rung, st in entries:
             lines.append([objective, labels.get((dimension, rung), "base"), st["seeds"], _pm(st["heldout_gain"], st["heldout_gain_se"]),
                           _pm(st["reward_gain"], st["reward_gain_se"]), _pm(st.get("vs_base"), st.get("vs_base_se")) if rung else "–",
-                          str(st["collapses"] + st["errors"]),
+                          str(st["collapses"] + st["errors"]), str(st["entropy_collapses"]), st["entropy_last"], st["filtered_frac_last5"],
                           st["grad_norm_max"], _triple(st, "numerics"), st["gap_inflight_mean"], _triple(st, "staleness"), st["gap_proximal_max"],
                           st["clipped_frac"], st["masked_frac"], st["corrective_frac"], st["behaviour_capped_frac"], st["regularizer_share"]])
     return _markdown(STAT_HEAD, lines)
@@ -298,7 +318,9 @@ def rung_table(result: dict, labels: dict, grid: dict) -> str:
 
 COLUMNS = (
     "Columns: gains are means over seeds ± their standard error; *paired vs base* is the mean over seeds of (this rung's gain − the "
-    "same objective's base gain, same seed); *collapses* counts collapse events and failed cells; |π−μ| is per sampled token, at lag 0 "
+    "same objective's base gain, same seed); *collapses* counts collapse events and failed cells; *entropy collapses* counts seeds whose "
+    "policy went near deterministic, *last entropy* is the learner's mean token entropy at the last step, *filtered groups* the share "
+    "of groups dropped for all-equal rewards (no learning signal: all right or all wrong) over the last 5 steps; |π−μ| is per sampled token, at lag 0 "
     "(engine numerics), *inflight* (lag 0 but the request began before a weight update) and lag ≥ 1 (staleness); *max drift in step* is "
     "the largest |π − π at the step's start| over a step's later updates (measured with several updates per batch or the decoupled "
     "anchor); *clipped* (grpo: ratio clipped), *masked* (DPPO), *corrective* (DRPO: weight w < 0) and *TIS capped* (behaviour weight at "
@@ -309,7 +331,9 @@ VERDICTS = (
     "Verdicts: an objective *learns* at a rung when no seed collapsed or failed and its gain is above twice its standard error; "
     "a rung is *degraded* when a seed collapsed or failed, or the gain paired against the objective's own base dropped by more than "
     "twice its standard error. A *collapse* is a non-finite loss or gradient step, or the learning signal falling below half its best "
-    "so far (held-out accuracy at an evaluation, or the 5-step moving average of the training reward once that best is above 0.05). "
+    "so far (held-out accuracy at an evaluation, or the 5-step moving average of the training reward once that best is above 0.05); "
+    "an *entropy collapse* is the 5-step moving average of the learner's mean token entropy falling below a tenth of its first "
+    "5 steps' (the training reward cannot show it: groups whose rewards are all equal are filtered before it is measured). "
     "*Learns to R* is the highest rung run with no degraded rung below it."
 )
 
@@ -433,14 +457,69 @@ def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: s
     replace_block(path, RESULTS_BEGIN, RESULTS_END, block)
 
 
-def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=print) -> list[dict]:
-    """Run ``todo`` (finished cells are read back), then return the rows of every finished cell of the grid."""
+ARCHIVE = Path(__file__).resolve().parents[2] / "docs" / "results" / "frontier.jsonl"
+"""The default grid's finished cells, one summary row each, committed with the page it builds: the
+raw run folders (OUT/cells, ~1 MB a cell) are not kept in the repository, so this file is what lets
+a later checkout add slices to what ran before and regenerate the report."""
+
+
+def read_archive(path: Path | None, grid: dict) -> tuple[dict[str, dict], list[dict]]:
+    """The archived rows that are cells of ``grid`` as it is now (same name, model and overrides), by
+    cell name; and the other rows (cells of another version of the grid), kept in the file untouched."""
+    if path is None or not Path(path).is_file():
+        return {}, []
+    current = {c.name: c for c in [*cells(grid), *calibration_cells(grid)]}
+    kept, other = {}, []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            name = row["cell"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{n}: not a frontier cell row ({err}); fix or remove that line") from err
+        cell = current.get(name)
+        if cell is not None and row.get("model") == cell.model and row.get("overrides") == list(cell.overrides):
+            kept[name] = row
+        else:
+            other.append(row)
+    return kept, other
+
+
+def write_archive(path: Path, rows: list[dict], other: list[dict]) -> None:
+    """Rewrite the archive atomically: ``rows`` (this grid's finished cells, in grid order) then ``other``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in [*rows, *other]))
+    tmp.replace(path)
+
+
+def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=print, archive: Path | None = None) -> list[dict]:
+    """Run ``todo`` (finished cells, in OUT/cells or in ``archive``, are not run again), then return
+    the rows of every finished cell of the grid. A cell's raw folder wins over its archived row (it is
+    re-read, so new summary fields reach it); the archive is rewritten after every cell."""
+    kept, other = read_archive(archive, grid)
+    order = [c.name for c in [*cells(grid), *calibration_cells(grid)]]
+    rows_by = dict(kept)
+
+    def keep(row: dict) -> None:
+        rows_by[row["cell"]] = row
+        if archive is not None:
+            write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
+
+    skipped = [c.name for c in todo if c.name in kept and not (out / "cells" / c.name / "summary.json").is_file()]
+    if skipped:
+        log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
+    todo = [c for c in todo if c.name not in skipped]
     base = _overrides(grid["base"])
     calib = grid.get("calibration", {})
     run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.calibration else [])],
-              grid["target_accuracy"], log)
+              grid["target_accuracy"], log, on_row=keep)
     finished = [c for c in [*cells(grid), *calibration_cells(grid)] if (out / "cells" / c.name / "summary.json").is_file()]
-    rows = run_cells(finished, out, lambda c: [], grid["target_accuracy"], log)  # read back only: all are finished
+    run_cells(finished, out, lambda c: [], grid["target_accuracy"], log, on_row=keep)  # read back only: all are finished
+    rows = [rows_by[n] for n in order if n in rows_by]
+    out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -453,6 +532,8 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated objective names")
     parser.add_argument("--report", action="store_true", help="run nothing: tables and plots of the cells already finished")
     parser.add_argument("--docs", help="also write the report block into this page (docs/results.md)")
+    parser.add_argument("--archive", help=f"the finished cells' rows (default: {ARCHIVE.relative_to(ARCHIVE.parents[2])} for the default "
+                        "grid, none for another grid); 'none' to use OUT/cells only")
     args = parser.parse_args()
     grid = yaml.safe_load(Path(args.grid).read_text())
     out = Path(args.out)
@@ -473,7 +554,9 @@ def main() -> None:
         smollm2 = materialize_smollm2()
         models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
         _init_ray(load_config())
-    rows = run(grid, out, models, todo)
+    default_grid = Path(args.grid).resolve() == (HERE / "frontier.yaml").resolve()
+    archive = None if args.archive == "none" else Path(args.archive) if args.archive else (ARCHIVE if default_grid else None)
+    rows = run(grid, out, models, todo, archive=archive)
     plot(rows, grid, out)
     text = report(rows, grid)
     (out / "frontier.md").write_text(text)

@@ -117,9 +117,21 @@ def summarize(run_dir: Path, target: float) -> dict:
         "masked_frac": mean("objective/masked_frac"), "behaviour_capped_frac": mean("learner/behaviour_weight_capped_frac"),
         "regularizer_share": mean("objective/regularizer_share"),
         "reward_curve": [[s["step"], s.get("reward/mean")] for s in steps],
+        "entropy_curve": [[s["step"], s.get("learner/entropy_mean")] for s in steps],
+        "filtered_frac_last5": _filtered_frac(steps[-6:]),
         "seconds": (steps[-1]["time"] - steps[0]["time"]) if len(steps) > 1 else None,
         "curve": [[e["step"], e["accuracy"]] for e in evals],
     }
+
+
+def _filtered_frac(steps: list[dict]) -> float | None:
+    """The share of groups filtered (all rewards equal: no learning signal) over ``steps``, from the
+    ledger's cumulative counts (the first step is the baseline)."""
+    if len(steps) < 2 or any(s.get("ledger/filtered") is None or s.get("ledger/trained") is None for s in (steps[0], steps[-1])):
+        return None
+    filtered = steps[-1]["ledger/filtered"] - steps[0]["ledger/filtered"]
+    trained = steps[-1]["ledger/trained"] - steps[0]["ledger/trained"]
+    return filtered / (filtered + trained) if filtered + trained else None
 
 
 def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = None, log=print) -> list[dict]:
@@ -140,10 +152,10 @@ def _summarized(run_dir: Path, target: float, error: str | None) -> dict:
     return {**got, "collapses": got["collapses"] + 1}
 
 
-def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
+def run_cells(todo, out: Path, base_of, target: float, log=print, on_row=None) -> list[dict]:
     """Run every cell of ``todo`` (one drpo training run each, on the Ray cluster already up) into
-    OUT/cells/NAME, skipping finished ones; ``base_of(cell)``: the overrides before the cell's own.
-    Returns one row per cell: its fields and its summary."""
+    OUT/cells/NAME, skipping finished ones; ``base_of(cell)``: the overrides before the cell's own;
+    ``on_row(row)`` is called as each cell's row is ready. Returns one row per cell: its fields and its summary."""
     from controller.app import train
     from controller.config import load_config
 
@@ -173,6 +185,8 @@ def run_cells(todo, out: Path, base_of, target: float, log=print) -> list[dict]:
             summary["wall_seconds"] = time.time() - started
             done.write_text(json.dumps(summary))
         rows.append({**cell.row(), **summary})
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
