@@ -84,6 +84,14 @@ def test_a_collapse_of_the_training_reward_is_a_fall_of_its_moving_average_below
     assert collapses({"collapses": 2, "error": None}, "heldout") == 2
 
 
+def test_curves_are_smoothed_per_seed_then_averaged_over_seeds():
+    from benchmarks.experiments.frontier import _seed_mean_curve
+
+    rs = [{"reward_curve": [[0, 0.0], [1, 1.0], [2, None], [3, 1.0]]}, {"reward_curve": [[0, 1.0], [1, 1.0], [3, float("nan")]]}]
+    assert _seed_mean_curve(rs, "reward_curve") == ([0, 1, 3], [0.5, 1.0, 1.0])  # missing and non-finite points are skipped
+    assert _seed_mean_curve(rs, "reward_curve", 2) == ([0, 1, 3], [0.5, 0.75, 1.0])  # seed 0: 0, 0.5, 1 (its last two points)
+
+
 def test_an_entropy_collapse_degrades_a_rung_the_training_reward_cannot_see():
     # the reward (of the groups still trained) holds while the policy goes deterministic
     cooling = [[i, 1.1 * 0.75 ** i] for i in range(20)]  # 5-step mean falls below a tenth of the first 5 steps'
@@ -120,7 +128,7 @@ def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny
     text = report(rows, grid)
     assert "Common random numbers" in text and "| grpo_tis | mini_batches=2 | 2 |" in text
     pngs = plot(rows, grid, tmp_path)
-    assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+    assert len(pngs) == 3 and all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
     page = tmp_path / "results.md"
     page.write_text(f"# Results\n\nprose\n\n{RESULTS_BEGIN}\n{RESULTS_END}\n\nmore prose\n")
     write_docs(page, rows, grid, tmp_path, str(HERE / "frontier_smoke.yaml"))

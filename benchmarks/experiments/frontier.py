@@ -12,7 +12,8 @@ differ (the engine's sampling is seeded per run seed, epoch, prompt and sample),
 compared on paired differences; the report measures what the pairing buys.
 
 A cell runs as a real ``drpo train`` into OUT/cells/NAME; a finished cell is not run again, so an
-interrupted slice resumes and slices add up. ``calibration`` cells run SmolLM2 at a few rungs to put
+interrupted slice resumes and slices add up. Each finished cell's summary row also goes to the
+archive (ARCHIVE, committed), which a fresh checkout resumes and reports from. ``calibration`` cells run SmolLM2 at a few rungs to put
 its measured gap next to the stand-in's (the stand-in is used because SmolLM2 takes ~40 s a step here).
 """
 
@@ -421,7 +422,57 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
         fig.savefig(Path(folder) / name, dpi=80)
         plt.close(fig)
         paths.append(Path(folder) / name)
+    paths.append(plot_curves(rows, grid, folder))
     return paths
+
+
+def _seed_mean_curve(rs: list[dict], key: str, window: int = 1) -> tuple[list[int], list[float]]:
+    """The mean over seeds of a per-step curve (``key``: [[step, value], ...]), each seed's curve
+    smoothed by a trailing moving average of ``window`` points first; steps where no seed has a value are dropped."""
+    by_step: dict[int, list[float]] = {}
+    for r in rs:
+        points = [(x, v) for x, v in r.get(key) or [] if v is not None and math.isfinite(v)]
+        for i, (x, _) in enumerate(points):
+            part = [v for _, v in points[max(0, i - window + 1):i + 1]]
+            by_step.setdefault(x, []).append(sum(part) / len(part))
+    steps = sorted(by_step)
+    return steps, [sum(by_step[x]) / len(by_step[x]) for x in steps]
+
+
+def plot_curves(rows: list[dict], grid: dict, folder: Path) -> Path:
+    """frontier_curves.png: for the base and each dimension's highest rung run, every objective's
+    training reward (5-step moving average), learner entropy and held-out accuracy by step, means over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if not r.get("calibration")]
+    labels = labels_of(grid)
+    settings = [(BASE, 0)] if any(r["rung"] == 0 for r in rows) else []
+    settings += [(d, max(r["rung"] for r in rows if r["dimension"] == d)) for d in grid["ladder"] if any(r["dimension"] == d for r in rows)]
+    settings = settings or [(BASE, 0)]
+    panels = (("reward_curve", "train reward (5-step mean)", REWARD_WINDOW), ("entropy_curve", "learner entropy", 1), ("curve", "held-out accuracy", 1))
+    fig, axes = plt.subplots(len(panels), len(settings), figsize=(4.2 * len(settings), 2.8 * len(panels)), squeeze=False)
+    for col, (d, rung) in enumerate(settings):
+        for row_i, (key, title, window) in enumerate(panels):
+            ax = axes[row_i][col]
+            for i, o in enumerate(o["name"] for o in grid["objectives"]):
+                rs = [r for r in rows if r["objective"] == o and r["dimension"] == d and r["rung"] == rung]
+                xs, ys = _seed_mean_curve(rs, key, window)
+                if xs:
+                    ax.plot(xs, ys, marker="o" if key == "curve" else None, markersize=3, label=f"{o} ({len(rs)})", color=f"C{i}")
+            ax.set_title(f"{labels.get((d, rung), 'base')}: {title}", fontsize=8)
+            ax.set_xlabel("step", fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=5)
+            else:
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, fontsize=7)
+    fig.tight_layout()
+    path = Path(folder) / "frontier_curves.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def report(rows: list[dict], grid: dict) -> str:
@@ -450,10 +501,11 @@ def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: s
     import os
 
     path = Path(path)
-    assets = copy_assets(path, out, ("frontier.png", "frontier_gap.png"))
+    assets = copy_assets(path, out, ("frontier.png", "frontier_gap.png", "frontier_curves.png"))
     block = (f"\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
              f"--docs {path}`.\n\n{report(rows, grid)}\n![learning gain by rung]({assets.name}/frontier.png)\n\n"
-             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n")
+             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n"
+             f"![training reward, entropy and held-out accuracy by step: the base and each dimension's highest rung run]({assets.name}/frontier_curves.png)\n\n")
     replace_block(path, RESULTS_BEGIN, RESULTS_END, block)
 
 
