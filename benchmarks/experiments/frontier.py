@@ -555,8 +555,9 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     order = [c.name for c in [*cells(grid), *calibration_cells(grid)]]
     rows_by = dict(kept)
 
-    def keep(row: dict) -> None:
-        rows_by[row["cell"]] = row
+    def keep(row: dict | None = None) -> None:
+        if row is not None:
+            rows_by[row["cell"]] = row
         if archive is not None:
             write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
 
@@ -564,12 +565,15 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     if skipped:
         log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
     todo = [c for c in todo if c.name not in skipped]
+    every = [*cells(grid), *calibration_cells(grid)]
+    finished = [c for c in every if (out / "cells" / c.name / "summary.json").is_file()]
+    rows_by.update((r["cell"], r) for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
+    keep()  # the run folders' cells are in the archive before anything runs
     base = _overrides(grid["base"])
     calib = grid.get("calibration", {})
     run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.calibration else [])],
               grid["target_accuracy"], log, on_row=keep)
-    finished = [c for c in [*cells(grid), *calibration_cells(grid)] if (out / "cells" / c.name / "summary.json").is_file()]
-    run_cells(finished, out, lambda c: [], grid["target_accuracy"], log, on_row=keep)  # read back only: all are finished
+
     rows = [rows_by[n] for n in order if n in rows_by]
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(rows, indent=1))
