@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from benchmarks.experiments.frontier import (
-    BASE, calibration_cells, cells, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, read_archive, report, rungs, run, write_archive, write_docs,
+    BASE, calibration_cells, cells, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, base_overrides, read_archive, report, rungs, run, write_archive, write_docs,
     RESULTS_BEGIN, RESULTS_END,
 )
 from benchmarks.experiments.run import HERE
@@ -144,15 +144,17 @@ def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny
 def test_archive_keeps_this_grids_cells_and_leaves_other_rows_alone(tmp_path):
     grid = _grid("frontier_smoke.yaml")
     a, b = cells(grid)[:2]
-    stale = {**a.row(), "cell": b.name, "overrides": ["learner.optimizer.lr=0.5"], "final_accuracy": 0.9}  # b's name, another grid version's rung
+    base = base_overrides(grid, a)
+    stale = {**a.row(), "base": base, "cell": b.name, "overrides": ["learner.optimizer.lr=0.5"], "final_accuracy": 0.9}  # another grid version's rung
+    old_base = {**b.row(), "base": [*base, "train.steps=99"]}  # b as it is now, but from a grid whose base differed
     foreign = {"cell": "not-in-this-grid", "final_accuracy": 0.1}
     path = tmp_path / "archive.jsonl"
-    write_archive(path, [{**a.row(), "final_accuracy": 0.4}], [stale, foreign])
+    write_archive(path, [{**a.row(), "base": base, "final_accuracy": 0.4}], [stale, old_base, foreign])
     kept, other = read_archive(path, grid)
-    assert list(kept) == [a.name] and kept[a.name]["final_accuracy"] == 0.4 and other == [stale, foreign]
+    assert list(kept) == [a.name] and kept[a.name]["final_accuracy"] == 0.4 and other == [stale, old_base, foreign]
     rows = run(grid, tmp_path / "out", {}, [a], archive=path)  # a is finished: not run (no model is given), b's stale row is not its result
     assert [r["cell"] for r in rows] == [a.name]
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [kept[a.name], stale, foreign]  # nothing dropped
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [kept[a.name], stale, old_base, foreign]  # nothing dropped
     path.write_text(path.read_text() + "{not json\n")
-    with pytest.raises(ValueError, match=r"archive.jsonl:4: not a frontier cell row"):
+    with pytest.raises(ValueError, match=r"archive.jsonl:5: not a frontier cell row"):
         read_archive(path, grid)

@@ -515,9 +515,17 @@ raw run folders (OUT/cells, ~1 MB a cell) are not kept in the repository, so thi
 a later checkout add slices to what ran before and regenerate the report."""
 
 
+def base_overrides(grid: dict, cell: Cell) -> list[str]:
+    """The overrides a cell runs with before its own (the grid's base, and the calibration base for a
+    calibration cell); the model's path is not among them (it is this machine's)."""
+    calib = grid.get("calibration", {})
+    return [*_overrides(grid["base"]), *(_overrides(calib.get("base", {})) if cell.calibration else [])]
+
+
 def read_archive(path: Path | None, grid: dict) -> tuple[dict[str, dict], list[dict]]:
-    """The archived rows that are cells of ``grid`` as it is now (same name, model and overrides), by
-    cell name; and the other rows (cells of another version of the grid), kept in the file untouched."""
+    """The archived rows that are cells of ``grid`` as it is now (same name, model, base and own
+    overrides), by cell name; and the other rows (cells of another version of the grid), kept in the
+    file untouched."""
     if path is None or not Path(path).is_file():
         return {}, []
     current = {c.name: c for c in [*cells(grid), *calibration_cells(grid)]}
@@ -531,7 +539,8 @@ def read_archive(path: Path | None, grid: dict) -> tuple[dict[str, dict], list[d
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}:{n}: not a frontier cell row ({err}); fix or remove that line") from err
         cell = current.get(name)
-        if cell is not None and row.get("model") == cell.model and row.get("overrides") == list(cell.overrides):
+        if (cell is not None and row.get("model") == cell.model and row.get("overrides") == list(cell.overrides)
+                and row.get("base") == base_overrides(grid, cell)):
             kept[name] = row
         else:
             other.append(row)
@@ -552,12 +561,13 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     the rows of every finished cell of the grid. A cell's raw folder wins over its archived row (it is
     re-read, so new summary fields reach it); the archive is rewritten after every cell."""
     kept, other = read_archive(archive, grid)
-    order = [c.name for c in [*cells(grid), *calibration_cells(grid)]]
+    every = [*cells(grid), *calibration_cells(grid)]
+    order, by_name = [c.name for c in every], {c.name: c for c in every}
     rows_by = dict(kept)
 
     def keep(row: dict | None = None) -> None:
         if row is not None:
-            rows_by[row["cell"]] = row
+            rows_by[row["cell"]] = {**row, "base": base_overrides(grid, by_name[row["cell"]])}
         if archive is not None:
             write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
 
@@ -565,14 +575,11 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     if skipped:
         log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
     todo = [c for c in todo if c.name not in skipped]
-    every = [*cells(grid), *calibration_cells(grid)]
     finished = [c for c in every if (out / "cells" / c.name / "summary.json").is_file()]
-    rows_by.update((r["cell"], r) for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
+    rows_by.update((r["cell"], {**r, "base": base_overrides(grid, by_name[r["cell"]])})
+                   for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
     keep()  # the run folders' cells are in the archive before anything runs
-    base = _overrides(grid["base"])
-    calib = grid.get("calibration", {})
-    run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base, *(_overrides(calib.get("base", {})) if c.calibration else [])],
-              grid["target_accuracy"], log, on_row=keep)
+    run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base_overrides(grid, c)], grid["target_accuracy"], log, on_row=keep)
 
     rows = [rows_by[n] for n in order if n in rows_by]
     out.mkdir(parents=True, exist_ok=True)
