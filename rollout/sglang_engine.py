@@ -222,7 +222,7 @@ class SGLangEngine(Engine):
             self._loop.close()
 
 
-# ---- SGLang's request/response format (pure; tests/test_sglang_format.py) ------------------------------
+# ---- SGLang's request/response format (pure; tests/test_sglang_bookkeeping.py) ------------------------------
 
 
 def sglang_sampling(params: SamplingParams, seed: int | None) -> dict:
