@@ -99,3 +99,16 @@ def test_a_megabyte_of_digits_is_refused_quickly_in_both_modes():
     started = time.perf_counter()
     assert LiteralNumberReward()("1" * 1_000_000, "1").reason == "not_literal"
     assert time.perf_counter() - started < 5
+
+
+def test_overlong_shaping_is_zero_before_the_buffer_then_a_linear_ramp_to_the_penalty():
+    from rollout.rewards import overlong_shaping
+
+    # DAPO's soft over-long punishment: 0 up to max - buffer tokens, -penalty at the limit, linear between
+    assert overlong_shaping(100, 192, False, 0.2, 32) == 0.0
+    assert overlong_shaping(160, 192, False, 0.2, 32) == 0.0
+    assert overlong_shaping(176, 192, False, 0.2, 32) == pytest.approx(-0.1)
+    assert overlong_shaping(192, 192, True, 0.2, 32) == pytest.approx(-0.2)
+    # no buffer: the whole penalty for a truncated response only, whatever its length
+    assert overlong_shaping(192, 192, True, 0.2, 0) == -0.2 and overlong_shaping(191, 192, False, 0.2, 0) == 0.0
+    assert overlong_shaping(192, 192, True, 0.0, 32) == 0.0  # off
