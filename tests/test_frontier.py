@@ -97,6 +97,7 @@ def test_an_entropy_collapse_degrades_a_rung_the_training_reward_cannot_see():
     cooling = [[i, 1.1 * 0.75 ** i] for i in range(20)]  # 5-step mean falls below a tenth of the first 5 steps'
     assert entropy_collapsed({"entropy_curve": cooling}) and not entropy_collapsed({"entropy_curve": [[i, 1.1 - 0.02 * i] for i in range(20)]})
     assert not entropy_collapsed({"entropy_curve": cooling[:8]})  # too short to tell
+    assert entropy_collapsed({"entropy_curve": [[i, 1.1 + 0.5 * i] for i in range(20)]})  # a blow-up toward uniform (lr too high)
     rows = [{**_row("a", r, s, 0.1, 0.1), "reward_curve": [[i, 0.2 + 0.02 * i] for i in range(20)],
              "train_reward_first5": 0.24, "train_reward_last5": 0.54 + 0.01 * s,
              "entropy_curve": cooling if (r == 1 and s == 1) else [[i, 1.0] for i in range(20)]} for r in (0, 1) for s in range(3)]

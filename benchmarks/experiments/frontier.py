@@ -157,18 +157,19 @@ def collapses(r: dict, learning: str) -> int:
     return events + r.get("nonfinite_steps", 0)
 
 
-ENTROPY_FLOOR = 0.1
+ENTROPY_FLOOR, ENTROPY_CEILING = 0.1, 3.0
 
 
 def entropy_collapsed(r: dict) -> bool:
-    """The policy went (near) deterministic: the REWARD_WINDOW-step moving average of the learner's
-    mean token entropy fell below ENTROPY_FLOOR of its first window's. The training reward cannot
-    show this: groups whose rewards are all equal are filtered before ``reward/mean``."""
+    """The policy went (near) deterministic or blew up toward uniform: the REWARD_WINDOW-step moving
+    average of the learner's mean token entropy fell below ENTROPY_FLOOR of its first window's, or
+    rose above ENTROPY_CEILING times it. The training reward cannot show the first: groups whose
+    rewards are all equal are filtered before ``reward/mean``."""
     values = [v for _, v in r.get("entropy_curve") or [] if v is not None and math.isfinite(v)]
     if len(values) < 2 * REWARD_WINDOW:
         return False
     windows = [sum(values[i - REWARD_WINDOW:i]) / REWARD_WINDOW for i in range(REWARD_WINDOW, len(values) + 1)]
-    return windows[0] > 0 and min(windows) < ENTROPY_FLOOR * windows[0]
+    return windows[0] > 0 and (min(windows) < ENTROPY_FLOOR * windows[0] or max(windows) > ENTROPY_CEILING * windows[0])
 
 
 def _by(rows: list[dict], *keys) -> dict:
@@ -320,7 +321,7 @@ def rung_table(result: dict, labels: dict, grid: dict) -> str:
 COLUMNS = (
     "Columns: gains are means over seeds ± their standard error; *paired vs base* is the mean over seeds of (this rung's gain − the "
     "same objective's base gain, same seed); *collapses* counts collapse events and failed cells; *entropy collapses* counts seeds whose "
-    "policy went near deterministic, *last entropy* is the learner's mean token entropy at the last step, *filtered groups* the share "
+    "policy went near deterministic or blew up toward uniform, *last entropy* is the learner's mean token entropy at the last step, *filtered groups* the share "
     "of groups dropped for all-equal rewards (no learning signal: all right or all wrong) over the last 5 steps; |π−μ| is per sampled token, at lag 0 "
     "(engine numerics), *inflight* (lag 0 but the request began before a weight update) and lag ≥ 1 (staleness); *max drift in step* is "
     "the largest |π − π at the step's start| over a step's later updates (measured with several updates per batch or the decoupled "
@@ -334,7 +335,7 @@ VERDICTS = (
     "twice its standard error. A *collapse* is a non-finite loss or gradient step, or the learning signal falling below half its best "
     "so far (held-out accuracy at an evaluation, or the 5-step moving average of the training reward once that best is above 0.05); "
     "an *entropy collapse* is the 5-step moving average of the learner's mean token entropy falling below a tenth of its first "
-    "5 steps' (the training reward cannot show it: groups whose rewards are all equal are filtered before it is measured). "
+    "5 steps' or rising above three times it (the training reward cannot show it: groups whose rewards are all equal are filtered before it is measured). "
     "*Learns to R* is the highest rung run with no degraded rung below it."
 )
 
