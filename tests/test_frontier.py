@@ -10,9 +10,10 @@ import statistics
 import pytest
 import yaml
 
-from benchmarks.experiments.frontier import (
-    BASE, calibration_cells, cells, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, base_overrides, read_archive, report, rungs, run, write_archive, write_docs,
-    RESULTS_BEGIN, RESULTS_END,
+from benchmarks.experiments.frontier import base_overrides, read_archive, run, write_archive
+from benchmarks.experiments.frontier_grid import BASE, calibration_cells, cells, rungs
+from benchmarks.experiments.frontier_report import (
+    RESULTS_BEGIN, RESULTS_END, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, report, write_docs,
 )
 from benchmarks.experiments.run import HERE
 
@@ -85,7 +86,7 @@ def test_a_collapse_of_the_training_reward_is_a_fall_of_its_moving_average_below
 
 
 def test_curves_are_smoothed_per_seed_then_averaged_over_seeds():
-    from benchmarks.experiments.frontier import _seed_mean_curve
+    from benchmarks.experiments.frontier_report import _seed_mean_curve
 
     rs = [{"reward_curve": [[0, 0.0], [1, 1.0], [2, None], [3, 1.0]]}, {"reward_curve": [[0, 1.0], [1, 1.0], [3, float("nan")]]}]
     assert _seed_mean_curve(rs, "reward_curve") == ([0, 1, 3], [0.5, 1.0, 1.0])  # missing and non-finite points are skipped
