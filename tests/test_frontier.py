@@ -160,3 +160,21 @@ def test_archive_keeps_this_grids_cells_and_leaves_other_rows_alone(tmp_path):
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(ValueError, match=r"archive.jsonl:5: not a frontier cell row"):
         read_archive(path, grid)
+
+
+@pytest.mark.parametrize("name", ["frontier.yaml", "frontier_words.yaml", "frontier_smoke.yaml"])
+def test_every_cell_of_every_grid_is_a_valid_drpo_train_config_with_its_rung_applied(name, tmp_path):
+    from controller.config import load_config
+
+    grid = _grid(name)
+    for cell in [*cells(grid), *calibration_cells(grid)]:
+        cfg = load_config(overrides=[f"model.path={tmp_path}", *base_overrides(grid, cell), *cell.overrides, f"run_dir={tmp_path / cell.name}"])
+        rung = {} if cell.rung == 0 else grid["ladder"][cell.dimension][cell.rung - 1]
+        for key, value in rung.items():  # the rung's value reached the config
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == value, (cell.name, key)
+        assert cfg.seed == cell.seed
+    if name == "frontier_words.yaml":  # the reasoning task reaches the experiments
+        assert type(cfg.task).__name__ == "WordProblemTask" and cfg.rollout.reward == "math_verify"
