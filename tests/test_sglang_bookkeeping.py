@@ -241,3 +241,38 @@ def test_a_bucket_rejected_part_way_names_itself_and_generation_waits_for_a_whol
     sglang.refuse = None
     standin.update_weights(publication(1))
     assert standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))[0][0].versions.tolist() == [1, 1]
+
+
+class StandInMembership:
+    """learner.broadcast.Membership as receive_weights uses it: ``run(fn)`` calls fn on the group,
+    whose ``receive()`` returns the broadcast's next bucket."""
+
+    def __init__(self, buckets: list[WeightBucket]):
+        self.buckets, self.received = list(buckets), 0
+
+    def run(self, fn):
+        group = types.SimpleNamespace(receive=self._next)
+        return fn(group)
+
+    def _next(self) -> WeightBucket:
+        self.received += 1
+        return self.buckets.pop(0)
+
+
+def test_a_broadcast_publication_is_received_bucket_by_bucket_under_one_pause_mid_response(standin):
+    with pytest.raises(RuntimeError, match="never joined a weight broadcast group"):
+        standin.receive_weights()
+    sglang = standin.engine
+    standin._weights_membership = StandInMembership(publication(1, buckets=3))
+    result = []
+    rollout = threading.Thread(target=lambda: result.extend(standin.generate([[1]], SamplingParams(n=2, max_new_tokens=40))))
+    rollout.start()
+    wait_for(lambda: standin.tokens_received >= 20)
+    assert standin.receive_weights() == 1  # the actor's thread, while the rollout thread's requests decode
+    rollout.join()
+    assert standin._weights_membership.received == 3 and standin.version == 1
+    calls = [c for c in sglang.tokenizer_manager.calls if c[0] != "flush"]
+    assert calls == [("pause", "in_place"), *[("update", [f"w{i}", "version_marker"], False) for i in range(3)], ("continue",)]
+    for c in (c for group in result for c in group):
+        assert torch.equal(c.versions, (-1.0 - c.rollout_logp).round().long())  # each token: the weights that decoded it
+        assert set(c.versions.tolist()) == {0, 1}
