@@ -39,9 +39,13 @@ skip_unless_importable() {  # skip_unless_importable MODULE NAME: 0 when importa
   return 1
 }
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  check install-wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SITE="$OUT/site"
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+  echo "SKIP install-wheels: .whl/ holds Python 3.12 wheels (scripts/gpu-wheels.sh), $("$PY" -V 2>&1) runs here"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif ls .whl/*.whl >/dev/null 2>&1; then
+  check install-wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
