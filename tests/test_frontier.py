@@ -178,3 +178,14 @@ def test_every_cell_of_every_grid_is_a_valid_drpo_train_config_with_its_rung_app
         assert cfg.seed == cell.seed
     if name == "frontier_words.yaml":  # the reasoning task reaches the experiments
         assert type(cfg.task).__name__ == "WordProblemTask" and cfg.rollout.reward == "math_verify"
+
+
+def test_a_run_folder_from_another_base_is_moved_aside_not_reported(tmp_path):
+    grid = _grid("frontier_smoke.yaml")
+    a, b = cells(grid)[:2]
+    for cell, base in ((a, ["train.steps=99"]), (b, base_overrides(grid, b))):
+        (tmp_path / "cells" / cell.name).mkdir(parents=True)
+        (tmp_path / "cells" / cell.name / "summary.json").write_text(json.dumps({"base": base, "error": "stand-in", "collapses": 1}))
+    rows = run(grid, tmp_path, {}, [], log=lambda *_: None)
+    assert [r["cell"] for r in rows] == [b.name]  # b ran with this base; a's folder is kept aside, not reported
+    assert (tmp_path / "cells" / f"{a.name}.stale-1" / "summary.json").is_file() and not (tmp_path / "cells" / a.name).exists()

@@ -77,6 +77,24 @@ def write_archive(path: Path, rows: list[dict], other: list[dict]) -> None:
     tmp.replace(path)
 
 
+def _finished_here(out: Path, grid: dict, cell: Cell, log) -> bool:
+    """A finished run folder of ``cell`` that ran with the grid's current base (a folder from another
+    base is moved aside to NAME.stale-N, kept, and the cell runs again)."""
+    folder = out / "cells" / cell.name
+    done = folder / "summary.json"
+    if not done.is_file():
+        return False
+    ran = json.loads(done.read_text()).get("base")
+    if ran is None or ran == base_overrides(grid, cell):
+        return True
+    n = 1
+    while folder.with_name(f"{cell.name}.stale-{n}").exists():
+        n += 1
+    folder.rename(folder.with_name(f"{cell.name}.stale-{n}"))
+    log(f"{cell.name}: its run folder ran with another base; moved to {cell.name}.stale-{n}, the cell runs again")
+    return False
+
+
 def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=print, archive: Path | None = None) -> list[dict]:
     """Run ``todo`` (finished cells, in OUT/cells or in ``archive``, are not run again), then return
     the rows of every finished cell of the grid. A cell's raw folder wins over its archived row (it is
@@ -89,6 +107,8 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     def keep(row: dict | None = None) -> None:
         if row is not None:
             rows_by[row["cell"]] = {**row, "base": base_overrides(grid, by_name[row["cell"]])}
+            done = out / "cells" / row["cell"] / "summary.json"  # the run folder records the base it ran with
+            done.write_text(json.dumps({**json.loads(done.read_text()), "base": rows_by[row["cell"]]["base"]}))
         if archive is not None:
             write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
 
@@ -96,7 +116,7 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     if skipped:
         log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
     todo = [c for c in todo if c.name not in skipped]
-    finished = [c for c in every if (out / "cells" / c.name / "summary.json").is_file()]
+    finished = [c for c in every if _finished_here(out, grid, c, log)]
     rows_by.update((r["cell"], {**r, "base": base_overrides(grid, by_name[r["cell"]])})
                    for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
     keep()  # the run folders' cells are in the archive before anything runs
