@@ -173,10 +173,23 @@ def _row_answer(row: dict, fmt: str) -> str:
         if found is None:
             raise ValueError("no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")
         return found.answer
+    if isinstance(answer, str) and _worked(answer):  # e.g. a GSM8K answer without its "#### N" line
+        found = extract(answer, require_marker=True)
+        if found is None:
+            raise ValueError("the answer field reads as a worked solution with no final answer after a marker "
+                             "(expected \\boxed{}, '####' or 'The answer is'); give the final answer alone")
+        return found.answer
     answer = answer if answer is not None else (solution or None)  # a solution that is just the answer
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         raise ValueError("no ground truth (expected reward_model.ground_truth, 'answer', 'solution' or 'ground_truth')")
     return str(answer).strip()
+
+
+def _worked(answer: str) -> bool:
+    """An answer field that is prose, not a ground truth: more than 6 words, 3 of them words of letters
+    (a closed form such as "3 \\sqrt{2}" or "x = 3" is not)."""
+    words = answer.split()
+    return len(words) > 6 and sum(w.strip(".,;:!?").isalpha() for w in words) >= 3
 
 
 def _rows(path: Path):

@@ -166,3 +166,14 @@ def test_auto_rows_with_a_worked_solution_take_its_final_answer_or_are_skipped(t
     report = load_dataset(rows)
     assert [p.ground_truth for p in report.problems] == ["7", "4", "9"]
     assert report.skipped == [(2, "no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")]
+    # an answer field that is a worked solution (a GSM8K row missing its "#### N" line): its marked answer, or skipped
+    write_rows(rows, [
+        {"question": "4 + 5?", "answer": "It is 9 because 4 + 5 = 9."},
+        {"question": "2 + 5?", "answer": "Add the two numbers and the answer is 7."},
+        {"question": "root?", "answer": "3 \\sqrt{2}"},
+        {"question": "solve", "answer": "x = 3"},
+    ])
+    report = load_dataset(rows)
+    assert [p.ground_truth for p in report.problems] == ["7", "3 \\sqrt{2}", "x = 3"]
+    assert report.skipped == [(1, "the answer field reads as a worked solution with no final answer after a marker "
+                                  "(expected \\boxed{}, '####' or 'The answer is'); give the final answer alone")]
