@@ -37,7 +37,9 @@ class RunResult:
 
 def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], dict[str, list]]:
     """Training problems, the eval sets by name (``cfg.eval_set_names()`` order: the task's, then
-    ``eval.sets``), and the rows skipped per dataset file ((row, reason) lists)."""
+    ``eval.sets``), and the rows skipped per dataset load, by the field that named the file
+    ("task.train_path", "eval.sets[0] (name)"...): (path, [(row, reason)]). One file loaded twice
+    (say as training data in auto format and as an eval set in gsm8k format) is reported per load."""
     task, evals, reports = cfg.task, {}, {}
     if isinstance(task, ArithmeticTask):
         train = arithmetic_split("train", task.train_size, task.seed, task.max_operand)
@@ -53,19 +55,20 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
         for field, path in (("task.train_path", task.train_path), ("task.test_path", task.test_path)):
             if path:
                 try:
-                    reports[path] = load_dataset(path, task.max_prompt_chars, task.format, task.instruction)
+                    reports[field] = path, load_dataset(path, task.max_prompt_chars, task.format, task.instruction)
                 except (FileNotFoundError, ValueError) as err:
                     raise type(err)(f"{field}: {err}") from None
-        train = reports[task.train_path].problems
+        train = reports["task.train_path"][1].problems
         if task.test_path:
-            evals["heldout"] = reports[task.test_path].problems
+            evals["heldout"] = reports["task.test_path"][1].problems
     for i, extra in enumerate(cfg.eval.sets):
         try:
-            reports[extra.path] = report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+            report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+            reports[f"eval.sets[{i}] ({extra.name})"] = extra.path, report
         except (FileNotFoundError, ValueError) as err:
             raise type(err)(f"eval.sets[{i}] ({extra.name}): {err}") from None
         evals[extra.name] = report.problems[: extra.limit]
-    return train, evals, {path: r.skipped for path, r in reports.items() if r.skipped}
+    return train, evals, {field: (path, r.skipped) for field, (path, r) in reports.items() if r.skipped}
 
 
 def check_layout(cfg: RunConfig) -> None:
@@ -114,9 +117,10 @@ def train(
         raise
     telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now, loggers)
     telemetry.startup_phase(**(startup or {}), backend_seconds=time.monotonic() - began)
-    for path, rows in skipped.items():
-        telemetry.dataset_rows_skipped(path, rows)
-        print(f"drpo train: skipped {len(rows)} bad rows of {path} (first: row {rows[0][0]}: {rows[0][1]}); all in metrics.jsonl", file=sys.stderr)
+    for field, (path, rows) in skipped.items():
+        telemetry.dataset_rows_skipped(path, rows, field)
+        print(f"drpo train: skipped {len(rows)} bad rows of {path} ({field}; first: row {rows[0][0]}: {rows[0][1]}); all in metrics.jsonl",
+              file=sys.stderr)
     if getattr(backend, "placement", None):
         telemetry.placement(backend.placement)
     if telemetry.exporter is not None and cfg.metrics.progress:

@@ -162,8 +162,10 @@ class Telemetry:
         """Which Ray node each learner rank and rollout worker runs on."""
         self._write({"kind": "placement", "time": self.clock(), **nodes})
 
-    def dataset_rows_skipped(self, path: str, rows: list[tuple[int, str]]) -> None:
-        self._write({"kind": "dataset", "time": self.clock(), "path": path, "skipped": [{"row": r, "reason": why} for r, why in rows]})
+    def dataset_rows_skipped(self, path: str, rows: list[tuple[int, str]], field: str | None = None) -> None:
+        """Bad rows of one dataset load; ``field``: the config field that named the file (task.train_path, eval.sets[i] (name))."""
+        self._write({"kind": "dataset", "time": self.clock(), "path": path, "field": field,
+                     "skipped": [{"row": r, "reason": why} for r, why in rows]})
 
     def worker_event(self, event: str, worker: int, version: int | None) -> None:
         """A rollout worker died ("lost") or came back serving ``version`` ("back")."""

@@ -110,7 +110,7 @@ def test_bad_dataset_rows_and_prompts_are_skipped_or_failed_by_name(ray_local, t
     cfg = RunConfig.model_validate(cfg)
     train(cfg)
     (report,) = records(Path(cfg.run_dir), "dataset")
-    assert [s["row"] for s in report["skipped"]] == [11, 12, 13, 14, 15]
+    assert [s["row"] for s in report["skipped"]] == [11, 12, 13, 14, 15] and report["field"] == "task.train_path"
     assert "not JSON" in report["skipped"][0]["reason"] and "no ground truth" in report["skipped"][1]["reason"]
     assert "no prompt" in report["skipped"][2]["reason"] and "5000 characters" in report["skipped"][3]["reason"]
     ids = [r["id"] for r in rows[:10]] + ["too-many-tokens"] + [r["id"] for r in rows[10:]]  # file order

@@ -177,3 +177,19 @@ def test_auto_rows_with_a_worked_solution_take_its_final_answer_or_are_skipped(t
     assert [p.ground_truth for p in report.problems] == ["7", "3 \\sqrt{2}", "x = 3"]
     assert report.skipped == [(1, "the answer field reads as a worked solution with no final answer after a marker "
                                   "(expected \\boxed{}, '####' or 'The answer is'); give the final answer alone")]
+
+
+def test_one_file_loaded_twice_reports_its_skipped_rows_per_load(tmp_path):
+    from controller.app import problems
+    from controller.config import load_config
+
+    data = tmp_path / "mixed.jsonl"
+    write_rows(data, [
+        {"question": "1 + 1?", "answer": "So #### 2"},
+        {"question": "2 + 2?", "answer": "4"},  # a plain answer: fine as a dapo row, no "####" for gsm8k
+    ])
+    cfg = load_config(overrides=[f"model.path={tmp_path}", f'task={json.dumps({"type": "dataset", "train_path": str(data)})}',
+                                 f'eval.sets={json.dumps([{"name": "strict", "path": str(data), "format": "gsm8k"}])}'])
+    train, evals, skipped = problems(cfg)
+    assert [p.ground_truth for p in train] == ["2", "4"] and [p.ground_truth for p in evals["strict"]] == ["2"]
+    assert skipped == {"eval.sets[0] (strict)": (str(data), [(2, "no '#### N' line in the GSM8K answer")])}  # training skipped nothing
