@@ -143,7 +143,9 @@ def _row_prompt(row: dict) -> str:
     return prompt
 
 
-def _row_answer(row: dict, fmt: str) -> str:
+def _row_answer(row: dict, fmt: str, auto: bool = False) -> str:
+    """The ground truth of one row in ``fmt``; ``auto``: the format was guessed from the row (then an
+    answer field that reads as a worked solution gives its marked final answer, or the row is skipped)."""
     if fmt == "gsm8k":
         answer = row.get("answer")
         if not isinstance(answer, str) or "####" not in answer:
@@ -173,7 +175,7 @@ def _row_answer(row: dict, fmt: str) -> str:
         if found is None:
             raise ValueError("no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")
         return found.answer
-    if isinstance(answer, str) and _worked(answer):  # e.g. a GSM8K answer without its "#### N" line
+    if auto and isinstance(answer, str) and _worked(answer):  # e.g. a GSM8K answer without its "#### N" line
         found = extract(answer, require_marker=True)
         if found is None:
             raise ValueError("the answer field reads as a worked solution with no final answer after a marker "
@@ -186,10 +188,10 @@ def _row_answer(row: dict, fmt: str) -> str:
 
 
 def _worked(answer: str) -> bool:
-    """An answer field that is prose, not a ground truth: more than 6 words, 3 of them words of letters
-    (a closed form such as "3 \\sqrt{2}" or "x = 3" is not)."""
-    words = answer.split()
-    return len(words) > 6 and sum(w.strip(".,;:!?").isalpha() for w in words) >= 3
+    """An answer field that is a worked solution, not a ground truth: several lines, GSM8K's
+    ``<<a+b=c>>`` calculator notes, or several sentences (a closed form such as "3 \\sqrt{2}", "x = 1 or
+    x = 2" or a one-sentence description of a set is not)."""
+    return "\n" in answer.strip() or "<<" in answer or re.search(r"[.!?]\s+[A-Z]", answer) is not None
 
 
 def _rows(path: Path):
@@ -234,7 +236,7 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFor
             prompt = f"{prompt.rstrip()} {suffix}" if suffix else prompt
             if len(prompt) > max_prompt_chars:
                 raise ValueError(f"prompt has {len(prompt)} characters, more than {max_prompt_chars}")
-            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), prompt, _row_answer(row, kind)))
+            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), prompt, _row_answer(row, kind, auto=fmt == "auto")))
         except ValueError as err:
             skipped.append((number, str(err)))
     if not problems:

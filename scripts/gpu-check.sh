@@ -39,7 +39,7 @@ skip_unless_importable() {  # skip_unless_importable MODULE NAME: 0 when importa
   return 1
 }
 
-SITE="$OUT/site"
+SITE=/tmp/drpo-gpu-site  # not under $OUT: only a few files come back from there
 if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
   echo "SKIP install-wheels: .whl/ holds Python 3.12 wheels (scripts/gpu-wheels.sh), $("$PY" -V 2>&1) runs here"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -15,13 +15,15 @@ PIP="${PIP:-.venv/bin/pip}"
 version() { "$PIP" show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 wheels=()
 for name in megatron-core pydantic pydantic-core annotated-types typing-inspection; do
-  v=$(version "$name")
+  v=$(version "$name" || true)
   [ -n "$v" ] || { echo "gpu-wheels: $name is not installed in .venv (run bash scripts/setup.sh first)" >&2; exit 1; }
   wheels+=("$name==$v")
 done
 mkdir -p .whl
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+rm -f .whl/*.whl  # one version of each: two would stop gpu-check's install
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+"$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${wheels[@]}"
 du -ch .whl/*.whl | tail -n 1

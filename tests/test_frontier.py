@@ -97,7 +97,8 @@ def test_an_entropy_collapse_degrades_a_rung_the_training_reward_cannot_see():
     # the reward (of the groups still trained) holds while the policy goes deterministic
     cooling = [[i, 1.1 * 0.75 ** i] for i in range(20)]  # 5-step mean falls below a tenth of the first 5 steps'
     assert entropy_collapsed({"entropy_curve": cooling}) and not entropy_collapsed({"entropy_curve": [[i, 1.1 - 0.02 * i] for i in range(20)]})
-    assert not entropy_collapsed({"entropy_curve": cooling[:8]})  # too short to tell
+    assert not entropy_collapsed({"entropy_curve": cooling[:5]})  # too short to tell
+    assert entropy_collapsed({"entropy_curve": cooling[:14]})  # a cell the filtered-groups guard stopped early
     assert entropy_collapsed({"entropy_curve": [[i, 1.1 + 0.5 * i] for i in range(20)]})  # a blow-up toward uniform (lr too high)
     rows = [{**_row("a", r, s, 0.1, 0.1), "reward_curve": [[i, 0.2 + 0.02 * i] for i in range(20)],
              "train_reward_first5": 0.24, "train_reward_last5": 0.54 + 0.01 * s,
@@ -185,7 +186,8 @@ def test_a_run_folder_from_another_base_is_moved_aside_not_reported(tmp_path):
     a, b = cells(grid)[:2]
     for cell, base in ((a, ["train.steps=99"]), (b, base_overrides(grid, b))):
         (tmp_path / "cells" / cell.name).mkdir(parents=True)
-        (tmp_path / "cells" / cell.name / "summary.json").write_text(json.dumps({"base": base, "error": "stand-in", "collapses": 1}))
+        (tmp_path / "cells" / cell.name / "summary.json").write_text(json.dumps(
+            {"base": base, "overrides": list(cell.overrides), "model": cell.model, "error": "stand-in", "collapses": 1}))
     rows = run(grid, tmp_path, {}, [], log=lambda *_: None)
     assert [r["cell"] for r in rows] == [b.name]  # b ran with this base; a's folder is kept aside, not reported
     assert (tmp_path / "cells" / f"{a.name}.stale-1" / "summary.json").is_file() and not (tmp_path / "cells" / a.name).exists()

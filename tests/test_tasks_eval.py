@@ -168,15 +168,17 @@ def test_auto_rows_with_a_worked_solution_take_its_final_answer_or_are_skipped(t
     assert report.skipped == [(2, "no final answer in the solution (expected \\boxed{}, '####' or 'The answer is'), and no answer field")]
     # an answer field that is a worked solution (a GSM8K row missing its "#### N" line): its marked answer, or skipped
     write_rows(rows, [
-        {"question": "4 + 5?", "answer": "It is 9 because 4 + 5 = 9."},
-        {"question": "2 + 5?", "answer": "Add the two numbers and the answer is 7."},
+        {"question": "48 clips?", "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips."},
+        {"question": "2 + 5?", "answer": "Add the two numbers. The answer is 7."},
         {"question": "root?", "answer": "3 \\sqrt{2}"},
-        {"question": "solve", "answer": "x = 3"},
+        {"question": "solve", "answer": "x = 1 or x = 2"},
+        {"question": "which?", "answer": "The set of all real numbers greater than 2"},
     ])
     report = load_dataset(rows)
-    assert [p.ground_truth for p in report.problems] == ["7", "3 \\sqrt{2}", "x = 3"]
+    assert [p.ground_truth for p in report.problems] == ["7", "3 \\sqrt{2}", "x = 1 or x = 2", "The set of all real numbers greater than 2"]
     assert report.skipped == [(1, "the answer field reads as a worked solution with no final answer after a marker "
                                   "(expected \\boxed{}, '####' or 'The answer is'); give the final answer alone")]
+    assert len(load_dataset(rows, fmt="dapo").problems) == 5  # a format named explicitly takes the answer field as it is
 
 
 def test_one_file_loaded_twice_reports_its_skipped_rows_per_load(tmp_path):

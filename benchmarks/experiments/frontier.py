@@ -77,21 +77,32 @@ def write_archive(path: Path, rows: list[dict], other: list[dict]) -> None:
     tmp.replace(path)
 
 
+def _stamp(cell: Cell, grid: dict) -> dict:
+    """What a run folder records of the cell it ran: its base, own overrides and model."""
+    return {"base": base_overrides(grid, cell), "overrides": list(cell.overrides), "model": cell.model}
+
+
 def _finished_here(out: Path, grid: dict, cell: Cell, log) -> bool:
-    """A finished run folder of ``cell`` that ran with the grid's current base (a folder from another
-    base is moved aside to NAME.stale-N, kept, and the cell runs again)."""
+    """A finished run folder of ``cell`` that ran the cell as the grid defines it now (base, own
+    overrides, model). A folder that ran something else, or does not say, or whose summary cannot be
+    read, is moved aside to NAME.stale-N (kept) and the cell runs again."""
     folder = out / "cells" / cell.name
     done = folder / "summary.json"
     if not done.is_file():
         return False
-    ran = json.loads(done.read_text()).get("base")
-    if ran is None or ran == base_overrides(grid, cell):
+    try:
+        summary = json.loads(done.read_text())
+        want = _stamp(cell, grid)  # a folder stamped before overrides and model were recorded says only its base
+        same = summary.get("base") == want["base"] and all(summary.get(k, want[k]) == want[k] for k in ("overrides", "model"))
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if same:
         return True
     n = 1
     while folder.with_name(f"{cell.name}.stale-{n}").exists():
         n += 1
     folder.rename(folder.with_name(f"{cell.name}.stale-{n}"))
-    log(f"{cell.name}: its run folder ran with another base; moved to {cell.name}.stale-{n}, the cell runs again")
+    log(f"{cell.name}: its run folder ran another version of the cell (or is unreadable); moved to {cell.name}.stale-{n}, the cell runs again")
     return False
 
 
@@ -106,17 +117,20 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
 
     def keep(row: dict | None = None) -> None:
         if row is not None:
-            rows_by[row["cell"]] = {**row, "base": base_overrides(grid, by_name[row["cell"]])}
-            done = out / "cells" / row["cell"] / "summary.json"  # the run folder records the base it ran with
-            done.write_text(json.dumps({**json.loads(done.read_text()), "base": rows_by[row["cell"]]["base"]}))
+            stamp = _stamp(by_name[row["cell"]], grid)
+            rows_by[row["cell"]] = {**row, **stamp}
+            done = out / "cells" / row["cell"] / "summary.json"  # the run folder records what it ran
+            tmp = done.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({**json.loads(done.read_text()), **stamp}))
+            tmp.replace(done)
         if archive is not None:
             write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
 
+    finished = [c for c in every if _finished_here(out, grid, c, log)]
     skipped = [c.name for c in todo if c.name in kept and not (out / "cells" / c.name / "summary.json").is_file()]
     if skipped:
         log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
     todo = [c for c in todo if c.name not in skipped]
-    finished = [c for c in every if _finished_here(out, grid, c, log)]
     rows_by.update((r["cell"], {**r, "base": base_overrides(grid, by_name[r["cell"]])})
                    for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
     keep()  # the run folders' cells are in the archive before anything runs
@@ -131,16 +145,17 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", default=str(HERE / "frontier.yaml"))
-    parser.add_argument("--out", default=str(HERE / "results" / "frontier"))
+    parser.add_argument("--out", help="the run folders (default: benchmarks/experiments/results/GRID_NAME)")
     parser.add_argument("--slice", help="comma-separated: base, DIMENSION (all its rungs), DIMENSION:RUNG, calibration")
     parser.add_argument("--only", help="comma-separated objective names")
-    parser.add_argument("--report", action="store_true", help="run nothing: tables and plots of the cells already finished")
+    parser.add_argument("--report", action="store_true", help="run nothing: tables and plots of the cells already finished "
+                        "(it still adds finished run folders' rows to the archive and moves stale folders aside)")
     parser.add_argument("--docs", help="also write the report block into this page (docs/results.md)")
     parser.add_argument("--archive", help=f"the finished cells' rows (default: {ARCHIVE.relative_to(ARCHIVE.parents[2])} for the default "
                         "grid, none for another grid); 'none' to use OUT/cells only")
     args = parser.parse_args()
     grid = yaml.safe_load(Path(args.grid).read_text())
-    out = Path(args.out)
+    out = Path(args.out) if args.out else HERE / "results" / Path(args.grid).stem
     out.mkdir(parents=True, exist_ok=True)
     slices = args.slice.split(",") if args.slice else None
     calibrate = bool(slices and "calibration" in slices)

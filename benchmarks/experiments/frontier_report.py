@@ -57,7 +57,7 @@ def entropy_collapsed(r: dict) -> bool:
     rose above ENTROPY_CEILING times it. The training reward cannot show the first: groups whose
     rewards are all equal are filtered before ``reward/mean``."""
     values = [v for _, v in r.get("entropy_curve") or [] if v is not None and math.isfinite(v)]
-    if len(values) < 2 * REWARD_WINDOW:
+    if len(values) < REWARD_WINDOW + 1:  # a cell stopped early by the filtered-groups guard has few steps
         return False
     windows = [sum(values[i - REWARD_WINDOW:i]) / REWARD_WINDOW for i in range(REWARD_WINDOW, len(values) + 1)]
     return windows[0] > 0 and (min(windows) < ENTROPY_FLOOR * windows[0] or max(windows) > ENTROPY_CEILING * windows[0])
