@@ -72,8 +72,13 @@ def write_archive(path: Path, rows: list[dict], other: list[dict]) -> None:
     """Rewrite the archive atomically: ``rows`` (this grid's finished cells, in grid order) then ``other``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_text(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in [*rows, *other]))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (an interrupted write leaves the old file)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in [*rows, *other]))
+    tmp.write_text(text)
     tmp.replace(path)
 
 
@@ -120,9 +125,7 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
             stamp = _stamp(by_name[row["cell"]], grid)
             rows_by[row["cell"]] = {**row, **stamp}
             done = out / "cells" / row["cell"] / "summary.json"  # the run folder records what it ran
-            tmp = done.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps({**json.loads(done.read_text()), **stamp}))
-            tmp.replace(done)
+            _replace_text(done, json.dumps({**json.loads(done.read_text()), **stamp}))
         if archive is not None:
             write_archive(archive, [rows_by[n] for n in order if n in rows_by], other)
 
@@ -131,7 +134,7 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     if skipped:
         log(f"{len(skipped)} cell(s) already finished in {archive}: not run again")
     todo = [c for c in todo if c.name not in skipped]
-    rows_by.update((r["cell"], {**r, "base": base_overrides(grid, by_name[r["cell"]])})
+    rows_by.update((r["cell"], {**r, **_stamp(by_name[r["cell"]], grid)})
                    for r in run_cells(finished, out, lambda c: [], grid["target_accuracy"], log))
     keep()  # the run folders' cells are in the archive before anything runs
     run_cells(todo, out, lambda c: [f"model.path={models[c.model]}", *base_overrides(grid, c)], grid["target_accuracy"], log, on_row=keep)
