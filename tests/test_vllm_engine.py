@@ -107,3 +107,34 @@ def test_vllm_low_precision_numerics_gap_is_reported(smollm2_folder, reference, 
     with capsys.disabled():
         print(f"\n[vllm {precision} numerics gap vs fp32] {stats}")
     assert torch.isfinite(gap).all() and stats["max_abs_logp_gap"] > 1e-3
+
+
+def test_vllm_moe_serves_every_publication_not_only_the_first_load(tiny_moe_model):
+    """vLLM 0.32's in-place reload skips the CPU experts' prepack (rollout/vllm_engine.py,
+    prepack_cpu_experts): without the repack, a publication of the *unchanged* weights moved the
+    served probabilities by 0.013. The hf engine, holding the same publications, is the reference."""
+    from learner.bridge import load_hf_state_dict
+    from rollout.hf_engine import HFEngine
+    from rollout.vllm_engine import VLLMEngine
+
+    base = load_hf_state_dict(str(tiny_moe_model))
+    changed = {k: v * 1.25 if ".mlp.experts." in k else v for k, v in base.items()}
+    served = VLLMEngine(str(tiny_moe_model), precision="fp32", max_model_len=256, kv_cache_gib=0.25)
+    reference = HFEngine(str(tiny_moe_model))
+    try:
+        prompt = [served.chat_prompt("Say the digit 3.")]
+        params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=0)
+
+        def largest_gap() -> float:
+            group = served.generate(prompt, params)[0]
+            return max((c.rollout_logp.exp() - recompute_logp(reference.model, c, 1.0).exp()).abs().max().item() for c in group)
+
+        gaps = [largest_gap()]
+        for version, state in ((1, base), (2, changed), (3, base)):
+            for engine in (served, reference):
+                engine.update_weights(publish.buckets(state.items(), version=version, max_bytes=2**20))
+            reference.generate(prompt, SamplingParams(n=1, max_new_tokens=1))  # the hf engine loads a publication at its next call
+            gaps.append(largest_gap())
+        assert served.version == 3 and max(gaps) < 1e-5, gaps
+    finally:
+        served.close()
