@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -72,13 +73,22 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
 
 
 def check_layout(cfg: RunConfig) -> None:
-    """The learner's parallel layout must split the model (heads, widths, experts): refused by field."""
+    """The learner's parallel layout must split the model (heads, widths, experts), and sglang's
+    block-fp8 rollout must tile it: refused by field."""
     from learner.model import ModelArch, layout_problems
+    from rollout.fp8 import block_mismatches
     from rollout.offline_model import materialize_smollm2
 
     folder = cfg.model.path or str(materialize_smollm2())
     p = cfg.learner.parallel
     problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
+    if cfg.rollout.engine == "sglang" and cfg.rollout.precision == "fp8":
+        wrong = block_mismatches(json.loads((Path(folder) / "config.json").read_text()), cfg.rollout.fp8_block)
+        if wrong:
+            problems.append(
+                f"rollout.fp8_block={cfg.rollout.fp8_block}: sglang's block-fp8 rollout needs every projection width to be a "
+                f"multiple of it, and {', '.join(wrong)} are not"
+            )
     if problems:
         raise ConfigError(f"{'; '.join(problems)} (model {folder})")
 

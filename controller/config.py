@@ -154,6 +154,10 @@ class RolloutConfig(_Config):
 
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="Inference backend.")
     precision: Literal["fp32", "bf16", "fp8"] = Field("fp32", description="Engine weight precision (fp8 on CPU is fake-quantized).")
+    fp8_block: int = Field(
+        128, ge=16, le=1024, description="sglang fp8 rollout: weights are block-wise fp8 with one scale per fp8_block x fp8_block "
+        "tile (DeepSeek-V3's format; 128 there); every projection width must be a multiple (SmolLM2-135M needs 64).",
+    )
     workers: int = Field(1, ge=1, description="Number of rollout workers.")
     cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per worker.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
@@ -359,11 +363,6 @@ class RunConfig(_Config):
             raise ValueError(
                 "learner.weight_sync=broadcast joins one process per engine to the group; engines with "
                 "rollout.engine_kwargs.tensor_parallel_size > 1 need object_store for now"
-            )
-        if self.rollout.engine == "sglang" and self.rollout.precision == "fp8":
-            raise ValueError(
-                "rollout.precision=fp8 with rollout.engine=sglang cannot take weight updates: SGLang's update_weights_from_tensor "
-                "does not re-quantize online fp8 weights; use rollout.engine=vllm for fp8 rollout"
             )
         if self.learner.routing_replay and self.rollout.engine == "sglang":
             raise ValueError(

@@ -96,6 +96,8 @@ class RayBackend(Backend):
         engine_kwargs = dict(ro.engine_kwargs)
         if ro.engine == "hf":
             engine_kwargs.setdefault("num_threads", ro.threads)
+        if ro.engine == "sglang" and ro.precision == "fp8":
+            engine_kwargs.setdefault("fp8_block", ro.fp8_block)
         if ro.engine == "vllm" and cfg.learner.routing_replay:
             engine_kwargs.setdefault("record_routing", True)
         if ro.engine == "vllm" and ro.kv_cache_gib is not None:

@@ -36,7 +36,7 @@ class RewardResult:
     extracted: str | None
     """The answer taken from the completion, or None."""
     reason: str
-    """correct | wrong | no_answer | not_literal | computation | timeout | error"""
+    """correct | wrong | no_answer | too_long | not_literal | computation | timeout | error"""
     marker: str | None = None
     """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
     shaping: float = 0.0
@@ -64,11 +64,19 @@ def literal_value(answer: str) -> Fraction:
     return Fraction(s)
 
 
+MAX_ANSWER_CHARS = 512
+"""An extracted answer longer than this is degenerate output (a run of digits, a repeated
+expression), refused in both modes before any comparison: math-verify would spend its whole time
+bound parsing it, and the record would carry it (cut to this length)."""
+
+
 def _answer_or_rejection(completion: str, require_marker: bool, literal_only: bool) -> tuple[str, str | None, RewardResult | None]:
     """The extracted answer and its marker, or the zero-score result that rejects the completion."""
     found = extract(completion, require_marker)
     if found is None:
         return "", None, RewardResult(0.0, None, "no_answer")
+    if len(found.answer) > MAX_ANSWER_CHARS:
+        return found.answer[:MAX_ANSWER_CHARS], found.marker, RewardResult(0.0, found.answer[:MAX_ANSWER_CHARS], "too_long", found.marker)
     if literal_only and not is_literal(found.answer):
         return found.answer, found.marker, RewardResult(0.0, found.answer, "not_literal", found.marker)
     if is_computation(found.answer):

@@ -22,10 +22,15 @@ SGLang's detokenizer process, the update's reply does not: ``SETTLE_QUIET_S``), 
 and continues (``continue_generation``). The prefix-cache rule is the vLLM engine's (an in-place
 pause cannot flush with requests running, so the cache is flushed before the next generate call).
 
-fp8: SGLang quantizes online fp8 weights at load, but ``update_weights_from_tensor`` only calls the
-model's ``load_weights`` and never re-runs that quantization, so fp8 rollout cannot take weight
-updates here; this engine refuses ``precision="fp8"`` (use the vllm engine, whose ``reload_weights``
-redoes it).
+fp8: SGLang quantizes *online* fp8 weights at load, but ``update_weights_from_tensor`` only calls
+the model's ``load_weights`` and never re-runs that quantization. So fp8 rollout here is block-wise
+fp8 done on drpo's side, as verl and slime do it (rollout/fp8.py): the engine starts from a copy of
+the model written as a block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``,
+which SGLang loads natively), and every publication's projections are quantized the same way
+(fp8 weight + ``weight_scale_inv``) on this GPU before they are handed over. Every fused q/k/v and
+gate/up part must be a multiple of the block (``rollout.fp8_block``; SGLang refuses the model
+otherwise, and drpo refuses it at load naming the widths). Written against SGLang's fp8 checkpoint
+format; not yet run on a GPU.
 
 Seeds: SGLang honours a request's ``sampling_seed`` only with ``enable_deterministic_inference``
 (pass it through ``rollout.engine_kwargs``); without it seeded runs draw differently.
@@ -48,12 +53,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import tempfile
 from typing import Iterable
 
 import torch
 
 from learner.publish import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, tensor_checksum
+from rollout.fp8 import quantize_named, write_fp8_folder
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 
 SETTLE_QUIET_S = 0.02
@@ -64,27 +72,32 @@ SETTLE_MAX_S = 2.0
 
 
 class SGLangEngine(Engine):
-    def __init__(self, model_folder: str, precision: Precision = "bf16", version: int = 0, seed: int = 0, mem_fraction_static: float = 0.6, **engine_kwargs):
+    def __init__(
+        self, model_folder: str, precision: Precision = "bf16", version: int = 0, seed: int = 0, mem_fraction_static: float = 0.6,
+        fp8_block: int = 128, **engine_kwargs,
+    ):
         os.environ["RETURN_ORIGINAL_LOGPROB"] = "false"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        if precision == "fp8":
-            raise ValueError(
-                "the sglang engine cannot serve fp8 rollout with weight updates: SGLang's update_weights_from_tensor does not "
-                "re-quantize online fp8 weights; use rollout.engine=vllm for fp8"
-            )
         if not torch.cuda.is_available():
             raise RuntimeError("the sglang engine needs a CUDA GPU (SGLang has no CPU build); use the hf or vllm engine")
         import sglang
         from transformers import AutoTokenizer
 
+        served_folder, self._scratch = str(model_folder), None
+        if precision == "fp8":  # SGLang loads the block-fp8 copy as an fp8 checkpoint
+            self._scratch = tempfile.mkdtemp(prefix="drpo-sglang-fp8-")
+            served_folder = str(write_fp8_folder(model_folder, self._scratch, fp8_block))
         kwargs = dict(
-            model_path=str(model_folder), dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,
+            model_path=served_folder, dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,
             mem_fraction_static=mem_fraction_static,
         )
-        self._attach(sglang.Engine(**{**kwargs, **engine_kwargs}), AutoTokenizer.from_pretrained(model_folder), version)
+        engine = sglang.Engine(**{**kwargs, **engine_kwargs})
+        self._attach(engine, AutoTokenizer.from_pretrained(model_folder), version, fp8_block if precision == "fp8" else None)
 
-    def _attach(self, engine, tokenizer, version: int) -> None:
-        """Serve ``engine`` (an sglang.Engine, or a stand-in in tests) from a new engine loop."""
+    def _attach(self, engine, tokenizer, version: int, fp8_block: int | None = None) -> None:
+        """Serve ``engine`` (an sglang.Engine, or a stand-in in tests) from a new engine loop;
+        ``fp8_block``: publications are quantized to block fp8 of that block before loading."""
+        self.fp8_block = fp8_block
         self.served = ServedWeights(version)
         self._ids = itertools.count()
         self._sums: dict[str, str] | None = None
@@ -196,9 +209,12 @@ class SGLangEngine(Engine):
             _patch_torch_reductions()
             device = torch.device("cuda", torch.cuda.current_device())
             named = [(name, t.to(device, non_blocking=True)) for name, t in bucket.tensors.items()]
-            torch.cuda.current_stream().synchronize()
         else:
             named = list(bucket.tensors.items())
+        if self.fp8_block is not None:  # quantized where the tensors are (this GPU)
+            named = list(quantize_named(named, self.fp8_block))
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
         payload = MultiprocessingSerializer.serialize(named)
         request = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payload] * self.engine.server_args.tp_size, load_format=None, flush_cache=False,
@@ -209,8 +225,9 @@ class SGLangEngine(Engine):
             self._sums.update({name: tensor_checksum(t) for name, t in bucket.tensors.items()})
 
     def weight_checksums(self) -> dict[str, str]:
-        """Checksums (HF names) of the tensors this engine handed to SGLang since the first call
-        (which turns the tracking on); SGLang offers no full read-back of its weights."""
+        """Checksums (HF names) of the publications' tensors this engine loaded since the first call
+        (which turns the tracking on), as received (before any fp8 quantization); SGLang offers no
+        full read-back of its weights."""
         if self._sums is None:
             self._sums = {}
         return dict(self._sums)
@@ -220,6 +237,8 @@ class SGLangEngine(Engine):
             self.engine.shutdown()
         finally:
             self._loop.close()
+            if getattr(self, "_scratch", None):
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 # ---- SGLang's request/response format (pure; tests/test_sglang_bookkeeping.py) ------------------------------

@@ -96,9 +96,19 @@ def test_math_verify_scores_closed_forms_refuses_computations_and_stays_bounded(
 
 
 def test_a_megabyte_of_digits_is_refused_quickly_in_both_modes():
-    started = time.perf_counter()
-    assert LiteralNumberReward()("1" * 1_000_000, "1").reason == "not_literal"
-    assert time.perf_counter() - started < 5
+    from rollout.rewards import MAX_ANSWER_CHARS
+
+    reward = MathVerifyReward(timeout_s=60.0)
+    try:
+        for mode in (LiteralNumberReward(), reward):
+            started = time.perf_counter()
+            result = mode("1" * 1_000_000, "1")
+            assert result.reason == "too_long" and result.score == 0.0 and len(result.extracted) == MAX_ANSWER_CHARS
+            assert time.perf_counter() - started < 5  # refused before math-verify is even started
+        assert reward._proc is None
+        assert LiteralNumberReward()("1" * 100, "1").reason == "not_literal"  # short of the cap: still not a number
+    finally:
+        reward.close()
 
 
 def test_overlong_shaping_is_zero_before_the_buffer_then_a_linear_ramp_to_the_penalty():

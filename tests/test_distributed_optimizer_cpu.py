@@ -45,3 +45,66 @@ def test_megatrons_distributed_optimizer_cannot_be_built_on_cpu_and_fails_where_
     # megatron's mixed-precision optimizer allocates a scalar on "cuda" in its constructor (optimizer.py)
     assert "megatron/core/optimizer/optimizer.py" in out and "device='cuda'" in out, out[-3000:]
     assert "Torch not compiled with CUDA enabled" in out, out[-3000:]
+
+
+class StandInPart:
+    """One of megatron's optimizer parts (dense or expert), as far as MegatronDistributedAdam's
+    checkpointing calls it: the dp_zero gather answers on data-parallel rank 0 only, the scatter
+    takes the state there and None elsewhere."""
+
+    def __init__(self, dp_rank: int, main_params: torch.Tensor):
+        import types
+
+        self.data_parallel_group = types.SimpleNamespace(rank=lambda: dp_rank)
+        self.main_params, self.loaded = main_params, "never called"
+
+    def get_parameter_state_dp_zero(self, use_gloo_comm: bool):
+        assert use_gloo_comm  # gathered over gloo: no CUDA-side tensors in the file
+        return {"param": self.main_params.clone(), "exp_avg": self.main_params * 0.1} if self.data_parallel_group.rank() == 0 else None
+
+    def load_parameter_state_from_dp_zero(self, state):
+        self.loaded = state
+
+
+class StandInChained:
+    def __init__(self, parts):
+        self.chained_optimizers, self.restored = parts, None
+
+    def state_dict(self):
+        return {"param_groups": [{"lr": 1e-3}], "steps": 7}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+
+def wrapper(dp_rank: int, parts: int = 2):
+    from learner.optim import MegatronDistributedAdam
+
+    optim = MegatronDistributedAdam.__new__(MegatronDistributedAdam)  # its constructor needs CUDA (above)
+    optim.optimizer, optim._step = StandInChained([StandInPart(dp_rank, torch.arange(4.0) + i) for i in range(parts)]), 0
+    return optim
+
+
+def test_the_distributed_optimizers_checkpoint_gathers_to_dp_rank_0_and_scatters_from_it(tmp_path):
+    """The wrapper's own protocol around megatron's dp_zero calls (the calls themselves need CUDA):
+    each part's gathered state is in data-parallel rank 0's file and None in the others', survives
+    torch.save/load, goes back to the part that saved it, and a layout with another part count is
+    refused by name."""
+    saved = {}
+    for rank in (0, 1):
+        optim = wrapper(rank)
+        optim._step = 7
+        torch.save(optim.state_dict(), tmp_path / f"rank{rank}.pt")
+        saved[rank] = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    assert saved[1]["param_state"] == [None, None] and torch.equal(saved[0]["param_state"][1]["param"], torch.arange(4.0) + 1)
+    for rank in (0, 1):
+        fresh = wrapper(rank)
+        fresh.load_state_dict(saved[rank])
+        assert fresh._step == 7 and fresh.optimizer.restored == {"param_groups": [{"lr": 1e-3}], "steps": 7}
+        for i, part in enumerate(fresh.optimizer.chained_optimizers):
+            if rank == 0:
+                assert torch.equal(part.loaded["param"], torch.arange(4.0) + i)  # each part gets its own state back
+            else:
+                assert part.loaded is None  # the scatter's receivers pass None: rank 0 sends
+    with pytest.raises(ValueError, match="the checkpoint holds 2 optimizer parts, this learner has 1"):
+        wrapper(0, parts=1).load_state_dict(saved[0])

@@ -14,6 +14,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -105,6 +106,7 @@ class StandInManager:
         assert len(obj.serialized_named_tensors) == self.owner.server_args.tp_size  # one payload per TP rank
         named = pickle.loads(obj.serialized_named_tensors[0])
         self.calls.append(("update", [n for n, _ in named], obj.flush_cache))
+        self.owner.received.update(named)
         if self.owner.refuse is not None and self.owner.refuse(named):
             return False, "dtype mismatch"
         await asyncio.sleep(UPDATE_S)
@@ -132,6 +134,7 @@ class StandInSGLang:
         self.server_args = types.SimpleNamespace(tp_size=2)
         self.tokenizer_manager = StandInManager(self)
         self.weights, self.requests, self.refuse = 0, 0, None
+        self.received: dict[str, torch.Tensor] = {}  # every tensor handed over, by name
         self.running = asyncio.Event()
         self.running.set()
         self.threads: set[str] = set()
@@ -169,7 +172,9 @@ def standin(monkeypatch):
         PauseGenerationReqInput=PauseGenerationReqInput, ContinueGenerationReqInput=ContinueGenerationReqInput,
         UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
     )
-    utils = types.SimpleNamespace(MultiprocessingSerializer=types.SimpleNamespace(serialize=pickle.dumps))
+    # SGLang's MultiprocessingSerializer pickles with multiprocessing's ForkingPickler (plain pickle
+    # cannot rebuild an fp8 tensor's storage in torch 2.13)
+    utils = types.SimpleNamespace(MultiprocessingSerializer=types.SimpleNamespace(serialize=lambda obj: bytes(ForkingPickler.dumps(obj))))
     for name, module in {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
                          "sglang.srt.managers": types.ModuleType("sglang.srt.managers"), "sglang.srt.managers.io_struct": io_struct,
                          "sglang.srt.utils": utils}.items():
@@ -241,6 +246,23 @@ def test_a_bucket_rejected_part_way_names_itself_and_generation_waits_for_a_whol
     sglang.refuse = None
     standin.update_weights(publication(1))
     assert standin.generate([[1]], SamplingParams(n=1, max_new_tokens=2))[0][0].versions.tolist() == [1, 1]
+
+
+def test_fp8_publications_are_handed_over_as_block_fp8_with_their_scales(standin):
+    from rollout.fp8 import FP8_DTYPE, dequantize_block
+
+    standin.fp8_block = 16  # as SGLangEngine sets it for precision fp8 (rollout.fp8_block)
+    standin.weight_checksums()
+    g = torch.Generator().manual_seed(0)
+    q_proj, norm = torch.randn(32, 48, generator=g), torch.rand(48, generator=g)
+    names = {"model.layers.0.self_attn.q_proj.weight": q_proj, "model.norm.weight": norm, "version_marker": torch.tensor(1)}
+    standin.update_weights([WeightBucket(1, 0, True, names)])
+    got = standin.engine.received
+    assert set(got) == {*names, "model.layers.0.self_attn.q_proj.weight_scale_inv"}
+    assert got["model.layers.0.self_attn.q_proj.weight"].dtype == FP8_DTYPE and got["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (2, 3)
+    served = dequantize_block(got["model.layers.0.self_attn.q_proj.weight"], got["model.layers.0.self_attn.q_proj.weight_scale_inv"], 16)
+    assert (served - q_proj).abs().max() <= q_proj.abs().max() / 16 and torch.equal(got["model.norm.weight"], norm)
+    assert standin.version == 1 and standin.weight_checksums()["model.layers.0.self_attn.q_proj.weight"] == tensor_checksum(q_proj)  # as received
 
 
 class StandInMembership:

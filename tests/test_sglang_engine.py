@@ -66,3 +66,37 @@ def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2
         assert any(1 in c.versions.tolist() for c in result["group"]), "the update did not land mid-response"
     finally:
         engine.close()
+
+
+def test_sglang_fp8_rollout_serves_block_fp8_weights_and_follows_updates(smollm2_folder, reference):
+    """fp8 rollout (rollout/fp8.py): SGLang starts from the block-fp8 copy and takes publications
+    quantized the same way; its mu tracks transformers holding the dequantized weights (what the
+    engine serves, up to fp8 activations), before and after an update."""
+    pytest.importorskip("sglang")
+    import copy
+
+    from rollout.fp8 import dequantize_block, quantize_named
+    from rollout.sglang_engine import SGLangEngine
+
+    def served(model, state):  # transformers with the weights the engine holds
+        out = dict(quantize_named(state.items(), 64))
+        model.load_state_dict({k: dequantize_block(out[k], out[k + "_scale_inv"], 64) if k + "_scale_inv" in out else v for k, v in state.items()}, strict=False)
+        return model
+
+    engine = SGLangEngine(str(smollm2_folder), precision="fp8", fp8_block=64)
+    try:
+        prompt = [engine.chat_prompt("Ben has 4 apples. He gets 3 more. How many apples does Ben have now?")]
+        before = served(copy.deepcopy(reference), reference.state_dict())
+        (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=0))
+        gap0 = max((c.rollout_logp - recompute_logp(before, c, 1.0)).abs().mean().item() for c in group)
+        assert gap0 < 0.1, gap0
+        state = {k: v * 1.05 for k, v in reference.state_dict().items() if k.endswith("mlp.down_proj.weight")}
+        engine.update_weights(publish.buckets(state.items(), version=1))
+        after = served(copy.deepcopy(reference), {**reference.state_dict(), **state})
+        (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=1))
+        assert all((c.versions == 1).all() for c in group)
+        new = max((c.rollout_logp - recompute_logp(after, c, 1.0)).abs().mean().item() for c in group)
+        old = max((c.rollout_logp - recompute_logp(before, c, 1.0)).abs().mean().item() for c in group)
+        assert new < 0.1 and new < old, (new, old)  # the update was served, quantized
+    finally:
+        engine.close()

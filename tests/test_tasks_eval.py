@@ -23,9 +23,10 @@ def write_rows(path, rows: list[dict]) -> None:
 
 
 def fact_of(prompt: str) -> tuple[int, str, int]:
-    """The (a, op, b) a training-wording arithmetic prompt states, read back from its text."""
+    """The (a, op, b) an arithmetic prompt states (training wordings and the "wording" set's),
+    read back from its text."""
     a, b = map(int, re.findall(r"\d+", prompt)[:2])
-    op = "*" if "boxes" in prompt else "-" if "gives away" in prompt else "+"
+    op = "*" if re.search(r"boxes|bags holds", prompt) else "-" if re.search(r"gives away|takes", prompt) else "+"
     return a, op, b
 
 
@@ -45,7 +46,7 @@ def test_no_heldout_text_or_fact_occurs_in_training_at_the_default_sizes():
 
 
 def test_every_arithmetic_answer_is_right():
-    for split in ("train", "heldout", "range"):
+    for split in ("train", "heldout", "wording", "range"):
         for p in arithmetic_split(split, 200):
             a, op, b = fact_of(p.prompt)
             assert int(p.ground_truth) == {"+": a + b, "-": a - b, "*": a * b}[op], p
@@ -59,24 +60,27 @@ _READER = [  # (phrase, operation): this test's own reading of the generator's s
 ]
 
 
-def read_word_problem(text: str) -> Fraction:
+def read_word_problem(text: str) -> tuple[Fraction, list[str]]:
+    """The answer and the operations, read from the text alone: the first sentence states the start,
+    each sentence up to the question one step."""
     sentences = [s for s in re.split(r"(?<=[.?])\s+", text) if s]
-    value = Fraction(int(re.search(r"\d+", sentences[0]).group()))
+    value, ops = Fraction(int(re.search(r"\d+", sentences[0]).group())), []
     for sentence in sentences[1:-1]:
         n = int(re.search(r"\d+", sentence).group())
         op = next(op for phrase, op in _READER if phrase in sentence)
-        value = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op]
-    return value
+        value, ops = {"+": value + n, "-": value - n, "*": value * n, "/": value / n}[op], ops + [op]
+    return value, ops
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_every_word_problem_answer_is_right_and_whole_and_levels_set_the_steps(level):
-    problems = word_problems("train", 300, level, test_size=50)
-    for wp in problems:
-        value = read_word_problem(wp.text)
-        assert value.denominator == 1 and value == wp.answer >= 0, wp.text  # exact splits, never below zero
-        assert len(wp.steps) == LEVELS[level].steps and {op for op, _ in wp.steps} <= set(LEVELS[level].ops)
-    assert len({wp.text.split(". ")[1].split(" ")[1] for wp in problems}) > 3  # varied wording
+    for split in ("train", "test"):
+        problems = word_problems(split, 300, level, test_size=50)
+        for wp in problems:
+            value, ops = read_word_problem(wp.text)
+            assert value.denominator == 1 and value == wp.answer >= 0, wp.text  # exact splits, never below zero
+            assert len(ops) == LEVELS[level].steps and set(ops) <= set(LEVELS[level].ops), wp.text
+        assert len({wp.text.split(". ")[1].split(" ")[1] for wp in problems}) > 3  # varied wording
 
 
 def test_word_problem_training_excludes_every_heldout_text_and_chain():

@@ -69,13 +69,23 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
     params = SamplingParams(n=2, max_new_tokens=96, temperature=1.0, seed=3)
     result = {}
     start = engine.tokens_received
-    thread = threading.Thread(target=lambda: result.update(group=engine.generate(prompt, params)[0]))
+
+    def generate():
+        try:
+            result["group"] = engine.generate(prompt, params)[0]
+        except BaseException as exc:  # re-raised below: a thread's exception would otherwise vanish
+            result["error"] = exc
+
+    thread = threading.Thread(target=generate)
     thread.start()
     deadline = time.time() + 120
     while engine.tokens_received - start < 10 and time.time() < deadline:  # both requests are decoding
         time.sleep(0.005)
     engine.update_weights(publication)  # the learner publishes while they decode
-    thread.join(timeout=300)
+    thread.join(timeout=600)
+    assert not thread.is_alive(), "generation did not finish within 600 s of the update"
+    if "error" in result:
+        raise result["error"]
     group = result["group"]
     for c in group:
         v = c.versions.tolist()
