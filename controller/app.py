@@ -10,6 +10,7 @@ from pathlib import Path
 
 import objectives
 from controller.artifacts import export_run
+from controller.hardware import resolve_precision
 from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
@@ -83,7 +84,8 @@ def check_layout(cfg: RunConfig) -> None:
     p = cfg.learner.parallel
     problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
     if cfg.rollout.engine == "sglang" and cfg.rollout.precision == "fp8":
-        wrong = block_mismatches(json.loads((Path(folder) / "config.json").read_text()), cfg.rollout.fp8_block)
+        tp = int(cfg.rollout.engine_kwargs.get("tp_size", 1))
+        wrong = block_mismatches(json.loads((Path(folder) / "config.json").read_text()), cfg.rollout.fp8_block, tp)
         if wrong:
             problems.append(
                 f"rollout.fp8_block={cfg.rollout.fp8_block}: sglang's block-fp8 rollout needs every projection width to be a "
@@ -113,6 +115,7 @@ def train(
     ``stop``: set by the caller's signal handlers (controller/stop.py); the run then winds down early.
     ``loaded``: ``problems(cfg)`` already loaded (the CLI loads them before Ray starts)."""
     began = time.monotonic()
+    cfg = resolve_precision(cfg)  # config.yaml records what ran, never auto
     run_dir = Path(cfg.run_dir)
     if cfg.simulation is None and backend is None:
         check_layout(cfg)  # before the run folder is touched

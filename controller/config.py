@@ -15,6 +15,7 @@ from typing import Annotated, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controller.hardware import resolve_precision
 from learner.config import LearnerConfig
 from objectives.config import AdvantageConfig
 
@@ -153,11 +154,21 @@ class RolloutConfig(_Config):
     """Rollout workers: one engine each."""
 
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="Inference backend.")
-    precision: Literal["fp32", "bf16", "fp8"] = Field("fp32", description="Engine weight precision (fp8 on CPU is fake-quantized).")
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = Field(
+        "fp32", description="Engine weight precision (fp8 on CPU is fake-quantized); auto: bf16 with GPUs or on a CPU with bf16 "
+        "arithmetic, else fp32 (controller/hardware.py; resolved when the config loads).",
+    )
     fp8_block: int = Field(
         128, ge=16, le=1024, description="sglang fp8 rollout: weights are block-wise fp8 with one scale per fp8_block x fp8_block "
-        "tile (DeepSeek-V3's format; 128 there); every projection width must be a multiple (SmolLM2-135M needs 64).",
+        "tile (DeepSeek-V3's format; 128 there), a power of two; every fused projection part must be a multiple (SmolLM2-135M needs 64).",
     )
+
+    @field_validator("fp8_block")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (SGLang's fp8 kernels tile by it), got {v}")
+        return v
     workers: int = Field(1, ge=1, description="Number of rollout workers.")
     cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per worker.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
@@ -418,7 +429,8 @@ def _format(err: ValidationError) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The preset at ``path`` (default: presets/default.yaml) with ``key=value`` overrides applied."""
+    """The preset at ``path`` (default: presets/default.yaml) with ``key=value`` overrides applied,
+    ``precision: auto`` resolved for this machine (controller/hardware.py)."""
     path = Path(path) if path is not None else PRESETS / "default.yaml"
     try:
         tree = yaml.safe_load(path.read_text()) or {}
@@ -434,7 +446,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             warnings.warn(f"--set {key}: {key} moved to {MOVED[key]}; read as {MOVED[key]}={value!r}", FutureWarning, stacklevel=2)
             key = MOVED[key]
         _set_path(tree, key, value)
-    return validate(tree, source=f"{path} with the --set overrides" if overrides else str(path))
+    return resolve_precision(validate(tree, source=f"{path} with the --set overrides" if overrides else str(path)))
 
 
 MOVED = {"train.anchor": "learner.anchor", "train.behaviour_weight_cap": "learner.behaviour_weight_cap"}

@@ -73,6 +73,7 @@ def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None 
         raise ValueError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
     quiet = cfg.metrics.model_copy(update={"port": None, "progress": False, "loggers": []})
     backend = RayBackend(cfg, str(model_folder), learner=False)
+    cfg = backend.cfg  # precision resolved: the record never says auto
     with tempfile.TemporaryDirectory(prefix="drpo-eval-") as scratch:
         telemetry = Telemetry(scratch, quiet, 1, backend.now)
         try:

@@ -20,6 +20,7 @@ import objectives
 from controller.backend import Backend, Events, LearnerLost, PublishReport, TrainResult
 from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
+from controller.hardware import resolve_precision
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup
 from learner.host import check_host
@@ -68,7 +69,7 @@ class RayBackend(Backend):
         """``learner=False``: rollout workers only (``drpo eval``): nothing can train or publish."""
         from rollout.offline_model import materialize_smollm2
 
-        self.cfg = cfg
+        self.cfg = cfg = resolve_precision(cfg)  # a config built in code may still say auto
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
         check_roles(cfg, learner)

@@ -79,10 +79,11 @@ class LearnerConfig(_Config):
     behaviour_weight_cap: float = Field(
         5.0, gt=0.0, description="decoupled: C, the cap on the behaviour weight proximal/mu (token-level TIS on ppo_clip uses 2; objectives/anchor.py).",
     )
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["auto", "fp32", "bf16"] = Field(
         "fp32",
         description="fp32, or bf16 mixed precision: bf16 parameters and compute, fp32 main parameters, gradients and optimizer; "
-        "log-probs, entropy and the objective are always fp32.",
+        "log-probs, entropy and the objective are always fp32. auto: bf16 with GPUs or on a CPU with bf16 arithmetic, else fp32 "
+        "(controller/hardware.py; resolved when the run config loads).",
     )
     packing: Packing = Field(
         "none",

@@ -60,6 +60,8 @@ class Learner:
         """Build the model (megatron names, full tensors in ``weights``, sharded here), DDP and AdamW."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        if cfg.precision == "auto":  # resolved where the run config is loaded (controller/hardware.py)
+            raise ValueError("learner.precision 'auto' reached the learner unresolved; resolve it with controller.hardware.resolve_precision")
         self.cfg, self.arch = cfg, arch
         torch.manual_seed(cfg.seed)
         self.tp_rank, self.tp_size = tp_rank_size()

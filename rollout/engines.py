@@ -10,6 +10,8 @@ ENGINES = ("hf", "vllm", "sglang")
 
 def make_engine(kind: str, model_folder: str, precision: Precision = "fp32", **kwargs) -> Engine:
     """Build the named engine; heavy imports happen only for the one chosen."""
+    if precision == "auto":  # resolved where the run config is loaded (controller/hardware.py), never here
+        raise ValueError("engine precision 'auto' reached the engine unresolved; resolve it with controller.hardware.resolve_precision")
     if kind == "hf":
         from rollout.hf_engine import HFEngine
 

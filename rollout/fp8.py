@@ -74,21 +74,29 @@ def quantize_named(named: Iterable[tuple[str, torch.Tensor]], block: int) -> Ite
             yield name, tensor
 
 
-def block_mismatches(model_config: dict, block: int) -> list[str]:
-    """The projection widths of an HF ``config.json`` that are not multiples of ``block``. SGLang
-    and vLLM refuse such a block-fp8 model at start (each fused q/k/v and gate/up part, and every
-    input width, must divide into whole tiles)."""
+def block_mismatches(model_config: dict, block: int, tp: int = 1) -> list[str]:
+    """What of an HF ``config.json``'s projections does not divide into whole ``block`` tiles per
+    tensor-parallel rank, as SGLang checks at start (Fp8LinearMethod): every part of a fused output
+    (q, k, v; gate, up; each expert's) always, and with ``tp`` > 1 the row-parallel input widths (o
+    and down) too. Key/value heads that tensor parallel replicates count one per rank. Each entry
+    names the width and its per-rank value."""
     text = model_config.get("text_config", model_config)
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
-    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
-    widths = {
-        "hidden_size": hidden,
-        "intermediate_size": text.get("intermediate_size"),
-        "moe_intermediate_size": text.get("moe_intermediate_size"),
-        "num_attention_heads x head_dim": heads * head_dim if heads and head_dim else None,
-        "num_key_value_heads x head_dim": text.get("num_key_value_heads", heads) * head_dim if heads and head_dim else None,
-    }
-    return [f"{name} = {value}" for name, value in widths.items() if value and value % block]
+    if not heads or not hidden:
+        return []
+    head_dim = text.get("head_dim") or hidden // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    moe = any(text.get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+    dense_mlp = not moe or bool(text.get("mlp_only_layers")) or bool(text.get("first_k_dense_replace"))
+    outputs = {"num_attention_heads x head_dim": heads * head_dim // tp, "num_key_value_heads x head_dim": max(1, kv_heads // tp) * head_dim}
+    widths = {"intermediate_size": text.get("intermediate_size") if dense_mlp else None, "moe_intermediate_size": text.get("moe_intermediate_size") if moe else None}
+    outputs.update({name: w // tp for name, w in widths.items() if w})
+    inputs = {}
+    if tp > 1:  # o_proj's and down_proj's inputs are split across the ranks
+        inputs = {"num_attention_heads x head_dim (o_proj input)": heads * head_dim // tp}
+        inputs.update({f"{name} (down_proj input)": w // tp for name, w in widths.items() if w})
+    per_rank = "" if tp == 1 else f" per rank of tensor parallel {tp}"
+    return [f"{name} = {value}{per_rank}" for name, value in {**outputs, **inputs}.items() if value % block]
 
 
 def write_fp8_folder(source: str | Path, target: str | Path, block: int) -> Path:
@@ -98,7 +106,7 @@ def write_fp8_folder(source: str | Path, target: str | Path, block: int) -> Path
 
     source, target = Path(source), Path(target)
     config = json.loads((source / "config.json").read_text())
-    wrong = block_mismatches(config, block)
+    wrong = block_mismatches(config, block)  # at tensor parallel 1; the run config checks its own (controller/app.py)
     if wrong:
         raise ValueError(f"{source} cannot be served as {block}x{block} block fp8: {', '.join(wrong)} not a multiple of {block}")
     target.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,11 @@ the model written as a block-fp8 checkpoint (``quantization_config`` with ``weig
 which SGLang loads natively), and every publication's projections are quantized the same way
 (fp8 weight + ``weight_scale_inv``) on this GPU before they are handed over. Every fused q/k/v and
 gate/up part must be a multiple of the block (``rollout.fp8_block``; SGLang refuses the model
-otherwise, and drpo refuses it at load naming the widths). Written against SGLang's fp8 checkpoint
-format; not yet run on a GPU.
+otherwise, and drpo refuses it at load naming the widths). With a block other than 128 the engine
+turns SGLang's DeepGEMM path off (``SGLANG_ENABLE_JIT_DEEPGEMM=0``: DeepGEMM assumes 128x128
+tiles) so its triton block-fp8 kernel runs. The fp8 copy is written per engine, on the host, into
+a temporary folder removed at ``close``. Written against SGLang's fp8 checkpoint format; not yet
+run on a GPU.
 
 Seeds: SGLang honours a request's ``sampling_seed`` only with ``enable_deterministic_inference``
 (pass it through ``rollout.engine_kwargs``); without it seeded runs draw differently.
@@ -85,6 +88,8 @@ class SGLangEngine(Engine):
 
         served_folder, self._scratch = str(model_folder), None
         if precision == "fp8":  # SGLang loads the block-fp8 copy as an fp8 checkpoint
+            if fp8_block != 128:  # DeepGEMM, SGLang's default fp8 GEMM on Hopper, assumes 128x128 tiles: its triton kernel takes others
+                os.environ.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "0")
             self._scratch = tempfile.mkdtemp(prefix="drpo-sglang-fp8-")
             served_folder = str(write_fp8_folder(model_folder, self._scratch, fp8_block))
         kwargs = dict(

@@ -8,6 +8,7 @@ import pytest
 
 from controller.cli import main
 from controller.config import PRESETS, ConfigError, RunConfig, load_config
+from controller.hardware import cpu_has_bf16, resolve_precision
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,9 +38,30 @@ def test_the_default_preset_is_the_embedded_default():
     cfg = load_config()
     assert cfg.model.path is None and cfg.task.type == "arithmetic" and cfg.rollout.engine == "hf"
     assert cfg.learner.objective.type == "drpo" and cfg.train.mode == "sync" and cfg.metrics.host == "127.0.0.1"
-    assert cfg.train.max_staleness == 0 and cfg.learner.precision == "bf16" and cfg.learner.packing == "shared_prompt"
+    assert cfg.train.max_staleness == 0 and cfg.learner.packing == "shared_prompt"
+    # precision auto, resolved at load for this machine: bf16 only where the CPU computes it fast
+    assert cfg.learner.precision == cfg.rollout.precision == ("bf16" if cpu_has_bf16() else "fp32")
     # async from the command line gets the staleness bound 1 the preset leaves to the mode
     assert load_config(overrides=["train.mode=async"]).train.max_staleness == 1
+
+
+AMX = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_precision_auto_is_bf16_only_with_gpus_or_bf16_arithmetic():
+    assert cpu_has_bf16(AMX) and cpu_has_bf16(ARM_BF16) and not cpu_has_bf16(AVX2) and not cpu_has_bf16("")
+    cfg = load_config(overrides=["rollout.precision=auto", "learner.precision=auto"])  # resolved: never auto after loading
+    assert cfg.rollout.precision in ("bf16", "fp32") and cfg.learner.precision in ("bf16", "fp32")
+    raw = RunConfig.model_validate({"rollout": {"precision": "auto"}, "learner": {"precision": "auto"}})
+    on_avx2 = resolve_precision(raw, cpu_bf16=False)
+    assert (on_avx2.rollout.precision, on_avx2.learner.precision) == ("fp32", "fp32")
+    assert (resolve_precision(raw, cpu_bf16=True).rollout.precision, resolve_precision(raw, cpu_bf16=True).learner.precision) == ("bf16", "bf16")
+    gpu = raw.model_copy(update={"learner_resources": raw.learner_resources.model_copy(update={"gpus_per_worker": 1.0})})
+    assert resolve_precision(gpu, cpu_bf16=False).learner.precision == "bf16" and resolve_precision(gpu, cpu_bf16=False).rollout.precision == "fp32"
+    explicit = load_config(overrides=["rollout.precision=bf16", "learner.precision=fp32"])
+    assert (explicit.rollout.precision, explicit.learner.precision) == ("bf16", "fp32")  # an explicit choice is kept
 
 
 def test_overrides_apply_with_yaml_types():
@@ -103,3 +125,25 @@ def test_a_config_written_before_the_anchor_moved_to_the_learner_still_loads(tmp
     both.write_text("train: {anchor: decoupled}\nlearner: {anchor: bypass}\n")
     with pytest.raises(ConfigError, match="disagree"):
         load_config(both)
+
+
+def test_a_run_records_the_precision_it_resolved_never_auto(tmp_path):
+    """config.yaml says what ran (a resume on another machine keeps it), built in code or loaded."""
+    import yaml
+
+    from controller.app import train
+
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"), "rollout": {"precision": "auto", "workers": 1, "samples_per_prompt": 2},
+        "learner": {"precision": "auto"}, "task": {"type": "arithmetic", "train_size": 20, "test_size": 4},
+        "train": {"steps": 1, "prompts_per_step": 2}, "eval": {"every": 0, "at_start": False}, "checkpoint": {"every": 0},
+        "metrics": {"port": None, "progress": False}, "simulation": {"gen_seconds": 0.01, "train_seconds": 0.01},
+    })
+    train(cfg)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    expected = "bf16" if cpu_has_bf16() else "fp32"
+    assert saved["rollout"]["precision"] == saved["learner"]["precision"] == expected
+    from rollout.engines import make_engine
+
+    with pytest.raises(ValueError, match="precision 'auto' reached the engine unresolved"):
+        make_engine("hf", "unused", "auto")

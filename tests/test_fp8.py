@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from controller.app import check_layout
-from controller.config import ConfigError, RunConfig
+from controller.config import ConfigError, RunConfig, load_config
 from rollout.fp8 import FP8_DTYPE, FP8_MAX, block_mismatches, dequantize_block, quantize_block, quantize_named, write_fp8_folder
 
 
@@ -54,10 +54,20 @@ def test_projections_are_quantized_with_their_scales_and_the_rest_passes_as_it_i
     assert all(torch.equal(out[k], state[k]) for k in kept)  # routers, embeddings and norms untouched
 
 
-def test_smollm2_tiles_at_64_not_at_128(smollm2_folder):
+def test_smollm2_tiles_at_64_not_at_128_and_tensor_parallel_checks_each_ranks_part(smollm2_folder):
     config = json.loads((smollm2_folder / "config.json").read_text())
-    assert block_mismatches(config, 128) == ["hidden_size = 576", "num_attention_heads x head_dim = 576", "num_key_value_heads x head_dim = 192"]
+    assert block_mismatches(config, 128) == ["num_attention_heads x head_dim = 576", "num_key_value_heads x head_dim = 192"]
     assert block_mismatches(config, 64) == []
+    assert block_mismatches(config, 64, tp=2) == [  # 9 heads of 64 split in two; the 3 kv heads give each rank one
+        "num_attention_heads x head_dim = 288 per rank of tensor parallel 2",
+        "num_attention_heads x head_dim (o_proj input) = 288 per rank of tensor parallel 2",
+    ]
+    qwen3_moe = {"num_attention_heads": 32, "hidden_size": 2048, "head_dim": 128, "num_key_value_heads": 4, "num_experts": 128,
+                 "moe_intermediate_size": 768, "intermediate_size": 6144}  # Qwen3-30B-A3B's shape: its dense width is unused
+    assert block_mismatches(qwen3_moe, 128) == [] and block_mismatches(qwen3_moe, 128, tp=2) == []
+    assert block_mismatches(qwen3_moe, 128, tp=4) == [  # 768 / 4 = 192 experts' columns per rank; kv heads replicate past 4
+        "moe_intermediate_size = 192 per rank of tensor parallel 4", "moe_intermediate_size (down_proj input) = 192 per rank of tensor parallel 4",
+    ]
 
 
 def test_the_fp8_folder_is_an_fp8_checkpoint_of_the_same_model(tiny_vllm_model, tmp_path):
@@ -71,13 +81,17 @@ def test_the_fp8_folder_is_an_fp8_checkpoint_of_the_same_model(tiny_vllm_model, 
     assert written[name].dtype == FP8_DTYPE and written[name + "_scale_inv"].shape == (2, 2)
     assert torch.equal(dequantize_block(written[name], written[name + "_scale_inv"], 64), reference_tile_quantization(original[name], 64))
     assert torch.equal(written["model.norm.weight"], original["model.norm.weight"])
-    with pytest.raises(ValueError, match="cannot be served as 48x48 block fp8: hidden_size = 128"):
-        write_fp8_folder(tiny_vllm_model, tmp_path / "no", 48)
+    with pytest.raises(ValueError, match="cannot be served as 128x128 block fp8: num_key_value_heads x head_dim = 64 not a multiple"):
+        write_fp8_folder(tiny_vllm_model, tmp_path / "no", 128)
     assert not (tmp_path / "no").exists()  # refused before anything is written
 
 
 def test_sglang_fp8_on_a_model_that_does_not_tile_is_refused_by_field_before_ray_starts(smollm2_folder, tmp_path):
     cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "rollout": {"engine": "sglang", "precision": "fp8"}})
-    with pytest.raises(ConfigError, match=r"rollout.fp8_block=128: .* hidden_size = 576"):
+    with pytest.raises(ConfigError, match=r"rollout.fp8_block=128: .* num_attention_heads x head_dim = 576"):
         check_layout(cfg)
     check_layout(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"fp8_block": 64})}))
+    with pytest.raises(ConfigError, match="fp8_block=64: .* 288 per rank of tensor parallel 2"):
+        check_layout(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"fp8_block": 64, "engine_kwargs": {"tp_size": 2}})}))
+    with pytest.raises(ConfigError, match="rollout.fp8_block: Value error, must be a power of two .* got 96"):
+        load_config(overrides=["rollout.fp8_block=96"])

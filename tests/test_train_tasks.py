@@ -1,5 +1,5 @@
 """`drpo train` on the multi-step word-problem task with math-verify rewards, over-long shaping, and
-eval sets of three formats (the task's own held-out split, a GSM8K file, a MATH file): every
+eval sets of four formats (the task's own held-out split, a GSM8K, a MATH and an AIME file): every
 evaluation reports mean@k, pass@k, greedy accuracy, response lengths and truncation per set, in
 metrics.jsonl, on the Prometheus endpoint's families and in `drpo report` (real Ray, the real
 SmolLM2, real math-verify)."""
@@ -39,16 +39,21 @@ def word_run(ray_local, smollm2_folder, tmp_path_factory):
         {"problem": "What is half of 1?", "solution": "Half of 1 is $\\boxed{\\frac{1}{2}}$."},
         {"problem": "Compute $2 + 3$.", "solution": "$2+3=\\boxed{5}$."},
     ])
+    aime = write_rows(tmp / "aime.jsonl", [
+        {"problem": "Find the number of positive divisors of 12.", "answer": 6},
+        {"problem": "What is 7 times 8?", "answer": "56"},
+    ])
     cfg = RunConfig.model_validate({
         "run_dir": str(tmp / "run"), "model": {"path": str(smollm2_folder)},
         "task": {"type": "word_problems", "level": 2, "train_size": 32, "test_size": 3},
         "rollout": {"workers": 1, "samples_per_prompt": 4, "max_new_tokens": 24, "max_batch_prompts": 4, "reward": "math_verify",
-                    "scoring": {"overlong_penalty": PENALTY}, "precision": "bf16"},
+                    "scoring": {"overlong_penalty": PENALTY}, "precision": "auto"},
         "learner": {"optimizer": {"lr": 1e-5}, "micro_batch_size": 8, "objective": {"type": "drpo", "delta": 0.2}},
         "advantages": {"filter_zero_variance": False},
         "train": {"steps": 2, "prompts_per_step": 2, "mode": "sync"},
         "eval": {"every": 0, "at_start": True, "samples_per_prompt": 2, "pass_k": [1, 2], "greedy": True,
-                 "sets": [{"name": "gsm8k", "path": gsm8k, "format": "gsm8k"}, {"name": "math", "path": math, "format": "math"}]},
+                 "sets": [{"name": "gsm8k", "path": gsm8k, "format": "gsm8k"}, {"name": "math", "path": math, "format": "math"},
+                          {"name": "aime", "path": aime, "format": "aime"}]},
         "checkpoint": {"every": 0, "hf": False}, "metrics": {"port": None, "progress": False},
     })
     train(cfg)
@@ -59,8 +64,8 @@ def test_every_eval_set_reports_mean_and_pass_at_k_greedy_lengths_and_truncation
     evals = records(word_run, "eval")
     assert [e["step"] for e in evals] == [0, 2]
     for e in evals:
-        assert list(e["sets"]) == ["heldout", "gsm8k", "math"]
-        assert [e["sets"][name]["prompts"] for name in e["sets"]] == [3, 3, 2]
+        assert list(e["sets"]) == ["heldout", "gsm8k", "math", "aime"]
+        assert [e["sets"][name]["prompts"] for name in e["sets"]] == [3, 3, 2, 2]
         for name, s in e["sets"].items():
             assert s["k"] == 2 and s["samples"] == 2 * s["prompts"] and s["failed"] == 0, name
             assert s["mean_at_k"] == pytest.approx(s["pass_at_1"]), name
@@ -88,8 +93,8 @@ def test_eval_sets_reach_prometheus_families_and_the_report(word_run):
     collector.update({f"eval/{name}/{k}": v for name, s in last["sets"].items() for k, v in s.items()})
     families = {f.name: f for f in collector.collect()}
     pass_at = {(x.labels["set"], x.labels["k"]) for x in families["drpo_eval_pass_at_k_ratio"].samples}
-    assert pass_at == {(name, k) for name in ("heldout", "gsm8k", "math") for k in ("1", "2")}
-    assert {x.labels["set"] for x in families["drpo_eval_greedy_accuracy_ratio"].samples} == {"heldout", "gsm8k", "math"}
+    assert pass_at == {(name, k) for name in ("heldout", "gsm8k", "math", "aime") for k in ("1", "2")}
+    assert {x.labels["set"] for x in families["drpo_eval_greedy_accuracy_ratio"].samples} == {"heldout", "gsm8k", "math", "aime"}
     assert {x.labels["stat"] for x in families["drpo_eval_response_tokens"].samples} == {"mean", "median", "max"}
     page = write_report(word_run).read_text()
-    assert all(f"eval set {name}" in page for name in ("heldout", "gsm8k", "math")) and "pass@2" in page
+    assert all(f"eval set {name}" in page for name in ("heldout", "gsm8k", "math", "aime")) and "pass@2" in page

@@ -1,0 +1,48 @@
+"""What the machine the run starts on can compute fast, for ``precision: auto`` (no torch import).
+
+Without bf16 arithmetic units torch emulates bf16 on the CPU: measured 2026-12-02 on a 2-core AMD
+EPYC with AVX2 only, a SmolLM2-sized matmul (2048x576 @ 576x1536, 2 threads) ran at 1.2 GFLOPS in
+bf16 against 86 in fp32, and the hf engine generated 8x8 arithmetic answers in 29 s in bf16
+against 11 s in fp32; on the Intel machines with AMX the same matmul ran at ~1,000 GFLOPS in bf16
+against ~210 in fp32. So the embedded presets say ``auto``, and it is resolved once, when the
+config is loaded, into what config.yaml then records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16", "bf16"})
+"""/proc/cpuinfo flags of CPUs with bf16 arithmetic: x86's AMX and AVX-512 BF16 ("flags"), Arm's
+BF16 extension ("Features")."""
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (or the one ``cpuinfo``, a /proc/cpuinfo text, describes) has bf16
+    arithmetic; False where /proc/cpuinfo cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features") and BF16_CPU_FLAGS & set(value.split()):
+            return True
+    return False
+
+
+def auto_precision(gpus: float, cpu_bf16: bool | None = None) -> str:
+    """``auto`` for one role: bf16 where it is given GPUs or the CPU has bf16 arithmetic, else fp32."""
+    return "bf16" if gpus > 0 or (cpu_has_bf16() if cpu_bf16 is None else cpu_bf16) else "fp32"
+
+
+def resolve_precision(cfg, cpu_bf16: bool | None = None):
+    """``cfg`` (a RunConfig) with ``rollout.precision`` and ``learner.precision`` set from ``auto``
+    to what this machine computes fast; unchanged where neither is ``auto``."""
+    update = {}
+    if cfg.rollout.precision == "auto":
+        update["rollout"] = cfg.rollout.model_copy(update={"precision": auto_precision(cfg.rollout.gpus_per_worker, cpu_bf16)})
+    if cfg.learner.precision == "auto":
+        update["learner"] = cfg.learner.model_copy(update={"precision": auto_precision(cfg.learner_resources.gpus_per_worker, cpu_bf16)})
+    return cfg.model_copy(update=update) if update else cfg
