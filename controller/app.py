@@ -83,13 +83,15 @@ def check_layout(cfg: RunConfig) -> None:
     folder = cfg.model.path or str(materialize_smollm2())
     p = cfg.learner.parallel
     problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
+    if cfg.rollout.engine == "sglang" and cfg.rollout.gpus_per_worker == 0:
+        problems.append("rollout.engine=sglang needs GPUs (set rollout.gpus_per_worker > 0): SGLang has no CPU build; use hf or vllm here")
     if cfg.rollout.engine == "sglang" and cfg.rollout.precision == "fp8":
         tp = int(cfg.rollout.engine_kwargs.get("tp_size", 1))
         wrong = block_mismatches(json.loads((Path(folder) / "config.json").read_text()), cfg.rollout.fp8_block, tp)
         if wrong:
             problems.append(
                 f"rollout.fp8_block={cfg.rollout.fp8_block}: sglang's block-fp8 rollout needs every projection width to be a "
-                f"multiple of it, and {', '.join(wrong)} are not"
+                f"multiple of it, and {', '.join(wrong)} are not (a smaller power of two that divides them all tiles the model)"
             )
     if problems:
         raise ConfigError(f"{'; '.join(problems)} (model {folder})")

@@ -167,7 +167,7 @@ class RolloutConfig(_Config):
     @classmethod
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
-            raise ValueError(f"must be a power of two (SGLang's fp8 kernels tile by it), got {v}")
+            raise ValueError("must be a power of two (SGLang's fp8 kernels tile by it)")
         return v
     workers: int = Field(1, ge=1, description="Number of rollout workers.")
     cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per worker.")

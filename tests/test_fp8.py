@@ -87,11 +87,13 @@ def test_the_fp8_folder_is_an_fp8_checkpoint_of_the_same_model(tiny_vllm_model, 
 
 
 def test_sglang_fp8_on_a_model_that_does_not_tile_is_refused_by_field_before_ray_starts(smollm2_folder, tmp_path):
-    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "rollout": {"engine": "sglang", "precision": "fp8"}})
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "rollout": {"engine": "sglang", "precision": "fp8", "gpus_per_worker": 1}})
     with pytest.raises(ConfigError, match=r"rollout.fp8_block=128: .* num_attention_heads x head_dim = 576"):
         check_layout(cfg)
     check_layout(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"fp8_block": 64})}))
     with pytest.raises(ConfigError, match="fp8_block=64: .* 288 per rank of tensor parallel 2"):
         check_layout(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"fp8_block": 64, "engine_kwargs": {"tp_size": 2}})}))
-    with pytest.raises(ConfigError, match="rollout.fp8_block: Value error, must be a power of two .* got 96"):
+    with pytest.raises(ConfigError, match=r"rollout.fp8_block: Value error, must be a power of two .*\(got 96\)"):
         load_config(overrides=["rollout.fp8_block=96"])
+    with pytest.raises(ConfigError, match=r"rollout.engine=sglang needs GPUs \(set rollout.gpus_per_worker > 0\)"):
+        check_layout(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"fp8_block": 64, "gpus_per_worker": 0.0})}))
