@@ -10,8 +10,8 @@ from pathlib import Path
 
 import objectives
 from controller.artifacts import export_run
-from controller.hardware import resolve_precision
 from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
+from controller.hardware import resolve_precision
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
 from controller.run_folder import check_shared, prepare

@@ -102,7 +102,9 @@ def block_mismatches(model_config: dict, block: int, tp: int = 1) -> list[str]:
 def write_fp8_folder(source: str | Path, target: str | Path, block: int) -> Path:
     """A copy of the HF folder ``source`` with its projections in block-wise fp8 and config.json
     carrying the quantization_config; tokenizer and other files copied as they are."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from learner.bridge import load_hf_state_dict
 
     source, target = Path(source), Path(target)
     config = json.loads((source / "config.json").read_text())
@@ -113,11 +115,7 @@ def write_fp8_folder(source: str | Path, target: str | Path, block: int) -> Path
     for path in source.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(path, target / path.name)
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(source.glob("*.safetensors")):
-        state.update(quantize_named(load_file(str(path)).items(), block))
-    if not state:
-        raise FileNotFoundError(f"no *.safetensors files in {source}")
+    state = dict(quantize_named(load_hf_state_dict(source).items(), block))
     save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"))
     (target / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config(block)}, indent=2))
     return target

@@ -76,7 +76,8 @@ def _answer_or_rejection(completion: str, require_marker: bool, literal_only: bo
     if found is None:
         return "", None, RewardResult(0.0, None, "no_answer")
     if len(found.answer) > MAX_ANSWER_CHARS:
-        return found.answer[:MAX_ANSWER_CHARS], found.marker, RewardResult(0.0, found.answer[:MAX_ANSWER_CHARS], "too_long", found.marker)
+        cut = found.answer[:MAX_ANSWER_CHARS]
+        return cut, found.marker, RewardResult(0.0, cut, "too_long", found.marker)
     if literal_only and not is_literal(found.answer):
         return found.answer, found.marker, RewardResult(0.0, found.answer, "not_literal", found.marker)
     if is_computation(found.answer):
