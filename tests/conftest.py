@@ -100,6 +100,14 @@ def tiny_vllm_model(tmp_path_factory, smollm2_folder):
 
 
 @pytest.fixture(scope="session")
+def tiny_vllm_long_model(tmp_path_factory, smollm2_folder):
+    """``tiny_vllm_model`` with a weaker end-of-turn row: replies of tens of digits, so a worker is
+    still decoding when a publication lands (with a few digits the rollouts outrun the learner and
+    the workers wait, idle, for every publication)."""
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny-vllm-long"), smollm2_folder, hidden=128, heads=2, kv_heads=1, intermediate=128, eos=0.4)
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_model(tmp_path_factory, smollm2_folder):
     """A tiny chat Qwen3-MoE (rollout/tiny_models.py): 2 layers, 4 experts of width 64, top-2,
     hidden 128 with 2 heads of 64 (what vLLM's CPU attention and MoE kernels accept)."""

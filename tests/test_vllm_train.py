@@ -34,11 +34,14 @@ def vllm_config(tmp_path, model, steps, **rollout):
     })
 
 
-def test_async_drpo_train_with_two_vllm_workers(ray_local, tiny_vllm_model, tmp_path):
+def test_async_drpo_train_with_two_vllm_workers(ray_local, tiny_vllm_long_model, tmp_path):
     from controller.ray_backend import RayBackend
     from controller.stop import StopRequest
 
-    cfg = vllm_config(tmp_path, tiny_vllm_model, steps=1000)
+    # replies long enough that a worker is still decoding when publications land: with replies of a
+    # few digits the rollouts outran the learner and a spanning response came about once in 30 steps
+    # (one CI run waited 300 s and none came)
+    cfg = vllm_config(tmp_path, tiny_vllm_long_model, steps=1000, max_new_tokens=48)
     backend = RayBackend(cfg)
     run_dir = tmp_path / "run"
     stop = StopRequest()
