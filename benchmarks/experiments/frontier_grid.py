@@ -84,20 +84,27 @@ def cells(grid: dict, only: set[str] | None = None, slices: list[str] | None = N
 
 
 def calibration_cells(grid: dict) -> list[Cell]:
-    """SmolLM2 at a few rungs, one objective and seed: its measured gap next to the stand-in's."""
+    """SmolLM2 at a few rungs, one seed, for ``objective`` (or each of ``objectives``, one objective's
+    rungs after another): its measured gap next to the stand-in's, or (a SmolLM2 grid) a few short
+    cells that measure the rungs' gap where the full cells are too slow to run."""
     cal = grid.get("calibration")
     if not cal:
         return []
     by_key = {(BASE if r == 0 else f"{d}:{r}"): (d, r, o) for d, r, o in rungs(grid)}
-    obj = next(o for o in grid["objectives"] if o["name"] == cal["objective"])
+    by_name = {o["name"]: o for o in grid["objectives"]}
+    names = cal.get("objectives") or [cal["objective"]]
+    unknown = [n for n in names if n not in by_name] + [k for k in cal["rungs"] if k not in by_key]
+    if unknown:
+        raise ValueError(f"calibration names {unknown}, which the grid does not have (objectives {sorted(by_name)}, rungs {sorted(by_key)})")
     out = []
-    for key in cal["rungs"]:
-        dimension, rung, over = by_key[key]
-        over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
-                     *_overrides(over), f"seed={cal['seed']}"]
-        setting = BASE if rung == 0 else f"{dimension}{rung}"
-        out.append(Cell(f"smollm2-{obj['name']}-{setting}-s{cal['seed']}", obj["name"], dimension, rung, rung_label(over) or "base",
-                        cal["seed"], tuple(over_cell), "smollm2", calibration=True))
+    for obj in (by_name[n] for n in names):
+        for key in cal["rungs"]:
+            dimension, rung, over = by_key[key]
+            over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
+                         *_overrides(over), f"seed={cal['seed']}"]
+            setting = BASE if rung == 0 else f"{dimension}{rung}"
+            out.append(Cell(f"smollm2-{obj['name']}-{setting}-s{cal['seed']}", obj["name"], dimension, rung, rung_label(over) or "base",
+                            cal["seed"], tuple(over_cell), "smollm2", calibration=True))
     return out
 
 
