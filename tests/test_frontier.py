@@ -13,7 +13,7 @@ import yaml
 from benchmarks.experiments.frontier import base_overrides, read_archive, run, write_archive
 from benchmarks.experiments.frontier_grid import BASE, calibration_cells, cells, rungs
 from benchmarks.experiments.frontier_report import (
-    RESULTS_BEGIN, RESULTS_END, collapses, entropy_collapsed, frontier, learns, paired_noise, plot, report, write_docs,
+    RESULTS_BEGIN, RESULTS_END, collapses, docs_markers, entropy_collapsed, frontier, learns, paired_noise, plot, report, write_docs,
 )
 from benchmarks.experiments.run import HERE
 
@@ -191,3 +191,27 @@ def test_a_run_folder_from_another_base_is_moved_aside_not_reported(tmp_path):
     rows = run(grid, tmp_path, {}, [], log=lambda *_: None)
     assert [r["cell"] for r in rows] == [b.name]  # b ran with this base; a's folder is kept aside, not reported
     assert (tmp_path / "cells" / f"{a.name}.stale-1" / "summary.json").is_file() and not (tmp_path / "cells" / a.name).exists()
+
+
+def test_a_smollm2_grids_short_cells_report_into_their_own_block(tmp_path):
+    # frontier_words.yaml: CPU-sized calibration cells measure the length rung's gap; no frontier cell ran
+    grid = _grid("frontier_words.yaml")
+    short = calibration_cells(grid)
+    assert [c.setting for c in short] == grid["calibration"]["rungs"] * len(grid["calibration"]["objectives"])
+    assert [c.objective for c in short[:3]] == ["drpo"] * 3  # one objective's rungs, then the next's
+    rows = [{**c.row(), "error": None, "reward_curve": [[1, 0.1], [2, 0.2], [3, 0.1]], "response_tokens_mean": 100.0 * (1 + c.rung),
+             "truncated_frac": 0.25 * c.rung, "gap_numerics_mean": 0.006, "gap_numerics_p99": 0.03, "gap_numerics_max": 0.07,
+             "wall_seconds": 60.0} for c in short]
+    text = report(rows, grid)
+    assert "no frontier cell" in text and "Short SmolLM2 cells" in text and "Common random numbers" not in text
+    assert "| drpo | max_new_tokens=768 | 3 | 300 | 0.5 | 0.006 / 0.03 / 0.07 |" in text  # the rung's responses next to its gap
+    page = tmp_path / "results.md"
+    begin, end = docs_markers(grid)
+    assert begin != RESULTS_BEGIN
+    page.write_text(f"# Results\n\n{RESULTS_BEGIN}\nthe default grid's block\n{RESULTS_END}\n\n{begin}\n{end}\n")
+    write_docs(page, rows, grid, tmp_path, str(HERE / "frontier_words.yaml"))
+    written = page.read_text()
+    assert f"{RESULTS_BEGIN}\nthe default grid's block\n{RESULTS_END}" in written  # the default grid's block is untouched
+    assert "max_new_tokens=384" in written.split(begin, 1)[1] and not (tmp_path / "results").exists()  # no plots: no frontier cell
+    with pytest.raises(ValueError, match="does not have"):
+        calibration_cells({**grid, "calibration": {**grid["calibration"], "objectives": ["nope"]}})

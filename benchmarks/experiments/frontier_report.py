@@ -266,6 +266,18 @@ def calibration_table(rows: list[dict]) -> str:
     return _markdown(["rung", "model", "cells", "|π−μ| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
 
 
+def short_cells_table(rows: list[dict]) -> str:
+    """A SmolLM2 grid's short calibration cells, one line each: what the rung does to the responses
+    and to the measured gap, and which share of tokens each objective acted on (no learning verdict:
+    they run a few steps and no evaluation)."""
+    lines = [[r["objective"], r["label"], len(r.get("reward_curve") or []), r.get("response_tokens_mean"), r.get("truncated_frac"),
+              " / ".join(_fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("clipped_frac"), r.get("masked_frac"),
+              r.get("corrective_frac"), r.get("regularizer_share"), r.get("grad_norm_max"), r.get("wall_seconds")]
+             for r in rows if r.get("calibration")]
+    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "|π−μ| lag 0 mean / p99 / max", "clipped",
+                      "masked", "corrective", "regularizer share", "max grad norm", "wall s"], lines)
+
+
 def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
     """frontier.png: per dimension, held-out gain (mean ± se over seeds) of every objective by rung;
     frontier_gap.png: the measured gap by rung (mean |π−μ| at lag 0 and lag ≥ 1, max drift within a step)."""
@@ -364,6 +376,15 @@ def plot_curves(rows: list[dict], grid: dict, folder: Path) -> Path:
 
 
 def report(rows: list[dict], grid: dict) -> str:
+    seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
+    total = len(cells(grid)) + len(calibration_cells(grid))
+    calib = ""
+    if any(r.get("calibration") for r in rows):
+        calib = (f"### Short SmolLM2 cells at the rungs (a few steps, no evaluation: the gap, not learning)\n\n{short_cells_table(rows)}\n"
+                 if grid.get("model") == "smollm2"  # the grid's own model: no stand-in to put them next to
+                 else f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n")
+    if not any(not r.get("calibration") for r in rows):
+        return f"{len(rows)} of the grid's {total} cells finished (no frontier cell), {seconds / 3600:.2f} h of training wall time.\n\n{calib}"
     learning = grid.get("learning", "heldout")
     result, labels = frontier(rows, learning), labels_of(grid)
     crn = []
@@ -376,22 +397,34 @@ def report(rows: list[dict], grid: dict) -> str:
                    + (f"; unpaired/paired sd ratio {ratio:.2f}." if ratio else "."))
     crn = "Common random numbers (cells of one seed draw the same completions until their policies differ):\n" + "\n".join(crn)
     crn += f"\n\nVerdicts below measure learning by the {'held-out accuracy' if learning == 'heldout' else 'train reward'} gain (grid `learning: {learning}`)."
-    seconds = sum(r.get("wall_seconds") or 0.0 for r in rows)
-    total = len(cells(grid)) + len(calibration_cells(grid))
     return (f"{len(rows)} of the grid's {total} cells finished, {seconds / 3600:.2f} h of training wall time.\n\n{crn}\n\n"
             f"### Highest rung still learning, first degraded rung\n\n{VERDICTS}\n\n"
             f"{summary_table(result, labels, grid)}\n### Every rung (means over seeds)\n\n{COLUMNS}\n\n{rung_table(result, labels, grid)}\n"
-            + (f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n" if any(r.get("calibration") for r in rows) else ""))
+            + calib)
+
+
+def docs_markers(grid: dict) -> tuple[str, str]:
+    """The page block a grid's report goes into: the default one, or the one its ``docs_block``
+    names (so that grid's report never replaces the default grid's)."""
+    name = grid.get("docs_block")
+    if not name:
+        return RESULTS_BEGIN, RESULTS_END
+    return f"<!-- {name}:begin (written by benchmarks/experiments/frontier.py --docs) -->", f"<!-- {name}:end -->"
 
 
 def write_docs(path: Path, rows: list[dict], grid: dict, out: Path, grid_path: str) -> None:
-    """The frontier's generated block of the report page (prose outside the markers is kept)."""
+    """A grid's generated block of the report page (prose outside the markers is kept); a grid with
+    its own ``docs_block`` prefixes its plots with that name."""
     import os
 
     path = Path(path)
-    assets = copy_assets(path, out, ("frontier.png", "frontier_gap.png", "frontier_curves.png"))
+    begin, end = docs_markers(grid)
     block = (f"\n\nCommand: `.venv/bin/python -m benchmarks.experiments.frontier --grid {os.path.relpath(grid_path)} --report "
-             f"--docs {path}`.\n\n{report(rows, grid)}\n![learning gain by rung]({assets.name}/frontier.png)\n\n"
-             f"![measured gap by rung]({assets.name}/frontier_gap.png)\n\n"
-             f"![training reward, entropy and held-out accuracy by step: the base and each dimension's highest rung run]({assets.name}/frontier_curves.png)\n\n")
-    replace_block(path, RESULTS_BEGIN, RESULTS_END, block)
+             f"--docs {path}`.\n\n{report(rows, grid)}\n")
+    if any(not r.get("calibration") for r in rows):  # plots of frontier cells (short calibration cells have none)
+        prefix = f"{grid['docs_block']}_" if grid.get("docs_block") else ""
+        assets = copy_assets(path, out, ("frontier.png", "frontier_gap.png", "frontier_curves.png"), prefix)
+        block += (f"![learning gain by rung]({assets.name}/{prefix}frontier.png)\n\n"
+                  f"![measured gap by rung]({assets.name}/{prefix}frontier_gap.png)\n\n"
+                  f"![training reward, entropy and held-out accuracy by step: the base and each dimension's highest rung run]({assets.name}/{prefix}frontier_curves.png)\n\n")
+    replace_block(path, begin, end, block)

@@ -277,12 +277,12 @@ def noise_floor(rows: list[dict]) -> str:
 BEGIN, END = "<!-- results:begin (written by benchmarks/experiments/run.py --docs) -->", "<!-- results:end -->"
 
 
-def copy_assets(path: Path, out: Path, names) -> Path:
-    """Copy the plots ``names`` from ``out`` into the page's assets folder (PAGE_STEM/ beside it)."""
+def copy_assets(path: Path, out: Path, names, prefix: str = "") -> Path:
+    """Copy the plots ``names`` from ``out`` into the page's assets folder (PAGE_STEM/ beside it), as PREFIX + name."""
     assets = Path(path).parent / Path(path).stem
     assets.mkdir(parents=True, exist_ok=True)
     for name in names:
-        shutil.copy(Path(out) / name, assets / name)
+        shutil.copy(Path(out) / name, assets / (prefix + name))
     return assets
 
 
