@@ -2,8 +2,8 @@
 
     .venv/bin/python -m benchmarks.experiments.docs            # docs/results.md
 
-Rewrites the frontier block from the frontier cells that have finished (runs none:
-``benchmarks.experiments.frontier --slice ...`` runs them) and the mechanism study's block (reruns
+Rewrites the frontier blocks (frontier.yaml's and frontier_words.yaml's) from the cells that have
+finished (runs none: ``benchmarks.experiments.frontier --slice ...`` runs them) and the mechanism study's block (reruns
 the study: a few minutes). The first grid's block (``benchmarks.experiments.run --docs``) is left as
 it is: it is regenerated only by rerunning that grid. Prose outside the blocks is kept.
 """
@@ -23,8 +23,9 @@ def main() -> None:
     from benchmarks.experiments import frontier
     from benchmarks.mechanism import study
 
-    argv = ["frontier", "--report", "--docs", args.docs] + (["--out", args.frontier_out] if args.frontier_out else [])
-    sys.argv = argv
+    sys.argv = ["frontier", "--report", "--docs", args.docs] + (["--out", args.frontier_out] if args.frontier_out else [])
+    frontier.main()
+    sys.argv = ["frontier", "--grid", str(frontier.HERE / "frontier_words.yaml"), "--report", "--docs", args.docs]  # its own block
     frontier.main()
     sys.argv = ["study", "--docs", args.docs]
     study.main()

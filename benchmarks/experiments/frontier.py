@@ -155,7 +155,7 @@ def main() -> None:
                         "(it still adds finished run folders' rows to the archive and moves stale folders aside)")
     parser.add_argument("--docs", help="also write the report block into this page (docs/results.md)")
     parser.add_argument("--archive", help=f"the finished cells' rows (default: {ARCHIVE.relative_to(ARCHIVE.parents[2])} for the default "
-                        "grid, none for another grid); 'none' to use OUT/cells only")
+                        "grid, the grid's own `archive` (a path from the repo root) for another, else none); 'none' to use OUT/cells only")
     args = parser.parse_args()
     grid = yaml.safe_load(Path(args.grid).read_text())
     out = Path(args.out) if args.out else HERE / "results" / Path(args.grid).stem
@@ -177,7 +177,8 @@ def main() -> None:
         models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
         _init_ray(load_config())
     default_grid = Path(args.grid).resolve() == (HERE / "frontier.yaml").resolve()
-    archive = None if args.archive == "none" else Path(args.archive) if args.archive else (ARCHIVE if default_grid else None)
+    own = ARCHIVE if default_grid else (ARCHIVE.parents[2] / grid["archive"] if grid.get("archive") else None)
+    archive = None if args.archive == "none" else Path(args.archive) if args.archive else own
     rows = run(grid, out, models, todo, archive=archive)
     plot(rows, grid, out)
     text = report(rows, grid)
