@@ -10,7 +10,7 @@ import statistics
 import pytest
 import yaml
 
-from benchmarks.experiments.frontier import base_overrides, read_archive, run, write_archive
+from benchmarks.experiments.frontier import ARCHIVE, archive_of, base_overrides, read_archive, run, write_archive
 from benchmarks.experiments.frontier_grid import BASE, calibration_cells, cells, rungs
 from benchmarks.experiments.frontier_report import (
     RESULTS_BEGIN, RESULTS_END, collapses, docs_markers, entropy_collapsed, frontier, learns, paired_noise, plot, report, write_docs,
@@ -122,6 +122,7 @@ def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny
     for r in rows:
         assert r["error"] is None, r["error"]
         assert r["gap_numerics_mean"] is not None and r["gap_numerics_mean"] > 0  # bf16 engine vs fp32 learner
+        assert r["response_tokens_mean"] >= 1 and 0 <= r["truncated_frac"] <= 1  # what the rung did to the responses
     tis = [r for r in rows if r["objective"] == "grpo_tis"]
     assert all(r["behaviour_capped_frac"] is not None for r in tis)  # the decoupled anchor's weight was applied
     split = [r for r in rows if r["rung"] == 1]
@@ -199,6 +200,10 @@ def test_a_smollm2_grids_short_cells_report_into_their_own_block(tmp_path):
     short = calibration_cells(grid)
     assert [c.setting for c in short] == grid["calibration"]["rungs"] * len(grid["calibration"]["objectives"])
     assert [c.objective for c in short[:3]] == ["drpo"] * 3  # one objective's rungs, then the next's
+    from controller.config import load_config
+
+    cfg = load_config(overrides=[f"model.path={tmp_path}", *base_overrides(grid, short[2]), *short[2].overrides])
+    assert (cfg.train.steps, cfg.task.test_size, cfg.eval.samples_per_prompt, cfg.rollout.max_new_tokens) == (3, 8, 1, 768)
     rows = [{**c.row(), "error": None, "reward_curve": [[1, 0.1], [2, 0.2], [3, 0.1]], "response_tokens_mean": 100.0 * (1 + c.rung),
              "truncated_frac": 0.25 * c.rung, "gap_numerics_mean": 0.006, "gap_numerics_p99": 0.03, "gap_numerics_max": 0.07,
              "wall_seconds": 60.0} for c in short]
@@ -213,5 +218,9 @@ def test_a_smollm2_grids_short_cells_report_into_their_own_block(tmp_path):
     written = page.read_text()
     assert f"{RESULTS_BEGIN}\nthe default grid's block\n{RESULTS_END}" in written  # the default grid's block is untouched
     assert "max_new_tokens=384" in written.split(begin, 1)[1] and not (tmp_path / "results").exists()  # no plots: no frontier cell
-    with pytest.raises(ValueError, match="does not have"):
-        calibration_cells({**grid, "calibration": {**grid["calibration"], "objectives": ["nope"]}})
+    for bad in ({"objectives": ["nope"]}, {"rungs": ["length:9"]}):
+        with pytest.raises(ValueError, match="does not have"):
+            calibration_cells({**grid, "calibration": {**grid["calibration"], **bad}})
+    words = str(HERE / "frontier_words.yaml")
+    assert archive_of(grid, words, None) == ARCHIVE.parent / "frontier_words.jsonl" != archive_of(_grid(), str(HERE / "frontier.yaml"), None)
+    assert archive_of(grid, words, "none") is None and archive_of(_grid("frontier_smoke.yaml"), str(HERE / "frontier_smoke.yaml"), None) is None

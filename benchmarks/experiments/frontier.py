@@ -13,8 +13,10 @@ compared on paired differences; the report measures what the pairing buys.
 
 A cell runs as a real ``drpo train`` into OUT/cells/NAME; a finished cell is not run again, so an
 interrupted slice resumes and slices add up. Each finished cell's summary row also goes to the
-archive (ARCHIVE, committed), which a fresh checkout resumes and reports from. ``calibration`` cells run SmolLM2 at a few rungs to put
-its measured gap next to the stand-in's (the stand-in is used because SmolLM2 takes ~40 s a step here).
+archive (ARCHIVE for the default grid, the grid's own ``archive`` for another; committed), which a fresh checkout
+resumes and reports from. ``calibration`` cells run SmolLM2 at a few rungs to put its measured gap next to the
+stand-in's (the stand-in is used because SmolLM2 takes ~40 s a step here); in a SmolLM2 grid (frontier_words.yaml)
+they are short cells that measure its rungs' gap where its full cells are too slow to run.
 """
 
 from __future__ import annotations
@@ -145,6 +147,16 @@ def run(grid: dict, out: Path, models: dict[str, str], todo: list[Cell], log=pri
     return rows
 
 
+def archive_of(grid: dict, grid_path: str, given: str | None) -> Path | None:
+    """The archive a run reads and writes: ``given`` ('none' for none), else ARCHIVE for the default
+    grid, else the grid's own ``archive`` (a path from the repo root), else none."""
+    if given:
+        return None if given == "none" else Path(given)
+    if Path(grid_path).resolve() == (HERE / "frontier.yaml").resolve():
+        return ARCHIVE
+    return ARCHIVE.parents[2] / grid["archive"] if grid.get("archive") else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", default=str(HERE / "frontier.yaml"))
@@ -176,9 +188,7 @@ def main() -> None:
         smollm2 = materialize_smollm2()
         models = {"smollm2": str(smollm2), "standin": str(build_standin(HERE / "results" / "standin", smollm2, StandinSpec(**grid.get("standin", {}))))}
         _init_ray(load_config())
-    default_grid = Path(args.grid).resolve() == (HERE / "frontier.yaml").resolve()
-    own = ARCHIVE if default_grid else (ARCHIVE.parents[2] / grid["archive"] if grid.get("archive") else None)
-    archive = None if args.archive == "none" else Path(args.archive) if args.archive else own
+    archive = archive_of(grid, args.grid, args.archive)
     rows = run(grid, out, models, todo, archive=archive)
     plot(rows, grid, out)
     text = report(rows, grid)

@@ -174,7 +174,7 @@ def frontier(rows: list[dict], learning: str = "heldout") -> dict:
 
 STAT_HEAD = ["objective", "rung", "seeds", "held-out gain ± se", "train reward gain ± se", "paired vs base ± se", "collapses",
              "entropy collapses", "last entropy", "filtered groups (last 5 steps)",
-             "max grad norm", "|π−μ| lag 0 mean / p99 / max", "inflight", "lag ≥ 1 mean / p99 / max", "max drift in step",
+             "max grad norm", "\\|π−μ\\| lag 0 mean / p99 / max", "inflight", "lag ≥ 1 mean / p99 / max", "max drift in step",
              "clipped", "masked", "corrective", "TIS capped", "regularizer share"]
 
 
@@ -263,18 +263,18 @@ def calibration_table(rows: list[dict]) -> str:
             if rs:
                 lines.append([r["label"], who, len(rs), _mean(x.get("gap_numerics_mean") for x in rs), _mean(x.get("gap_numerics_p99") for x in rs),
                               _largest(x.get("gap_numerics_max") for x in rs), _largest(x.get("gap_proximal_max") for x in rs)])
-    return _markdown(["rung", "model", "cells", "|π−μ| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
+    return _markdown(["rung", "model", "cells", "\\|π−μ\\| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
 
 
 def short_cells_table(rows: list[dict]) -> str:
     """A SmolLM2 grid's short calibration cells, one line each: what the rung does to the responses
     and to the measured gap, and which share of tokens each objective acted on (no learning verdict:
-    they run a few steps and no evaluation)."""
+    they run a few steps, and their end-of-run evaluation is the smallest one a run allows)."""
     lines = [[r["objective"], r["label"], len(r.get("reward_curve") or []), r.get("response_tokens_mean"), r.get("truncated_frac"),
               " / ".join(_fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("clipped_frac"), r.get("masked_frac"),
               r.get("corrective_frac"), r.get("regularizer_share"), r.get("grad_norm_max"), r.get("wall_seconds")]
              for r in rows if r.get("calibration")]
-    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "|π−μ| lag 0 mean / p99 / max", "clipped",
+    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "\\|π−μ\\| lag 0 mean / p99 / max", "clipped",
                       "masked", "corrective", "regularizer share", "max grad norm", "wall s"], lines)
 
 
@@ -380,7 +380,7 @@ def report(rows: list[dict], grid: dict) -> str:
     total = len(cells(grid)) + len(calibration_cells(grid))
     calib = ""
     if any(r.get("calibration") for r in rows):
-        calib = (f"### Short SmolLM2 cells at the rungs (a few steps, no evaluation: the gap, not learning)\n\n{short_cells_table(rows)}\n"
+        calib = (f"### Short SmolLM2 cells at the rungs (a few steps, no learning verdict: the gap, not learning)\n\n{short_cells_table(rows)}\n"
                  if grid.get("model") == "smollm2"  # the grid's own model: no stand-in to put them next to
                  else f"### Gap calibration: SmolLM2 next to the stand-in\n\n{calibration_table(rows)}\n")
     if not any(not r.get("calibration") for r in rows):
