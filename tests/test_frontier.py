@@ -122,7 +122,7 @@ def test_smoke_ladder_trains_every_cell_and_reports_the_frontier(ray_local, tiny
     for r in rows:
         assert r["error"] is None, r["error"]
         assert r["gap_numerics_mean"] is not None and r["gap_numerics_mean"] > 0  # bf16 engine vs fp32 learner
-        assert r["response_tokens_mean"] >= 1 and 0 <= r["truncated_frac"] <= 1  # what the rung did to the responses
+        assert r["response_tokens_mean"] >= 1 and 0 <= r["truncated_frac"] <= 1 and r["kl_k3_numerics"] >= 0  # responses, KL per token
     tis = [r for r in rows if r["objective"] == "grpo_tis"]
     assert all(r["behaviour_capped_frac"] is not None for r in tis)  # the decoupled anchor's weight was applied
     split = [r for r in rows if r["rung"] == 1]
@@ -206,10 +206,10 @@ def test_a_smollm2_grids_short_cells_report_into_their_own_block(tmp_path):
     assert (cfg.train.steps, cfg.task.test_size, cfg.eval.samples_per_prompt, cfg.rollout.max_new_tokens) == (3, 8, 1, 768)
     rows = [{**c.row(), "error": None, "reward_curve": [[1, 0.1], [2, 0.2], [3, 0.1]], "response_tokens_mean": 100.0 * (1 + c.rung),
              "truncated_frac": 0.25 * c.rung, "gap_numerics_mean": 0.006, "gap_numerics_p99": 0.03, "gap_numerics_max": 0.07,
-             "wall_seconds": 60.0} for c in short]
+             "kl_k3_numerics": 0.001, "entropy_curve": [[1, 2.0], [2, 3.0], [3, 4.0]], "wall_seconds": 60.0} for c in short]
     text = report(rows, grid)
     assert "no frontier cell" in text and "Short SmolLM2 cells" in text and "Common random numbers" not in text
-    assert "| drpo | max_new_tokens=768 | 3 | 300 | 0.5 | 0.006 / 0.03 / 0.07 |" in text  # the rung's responses next to its gap
+    assert "| drpo | max_new_tokens=768 | 3 | 300 | 0.5 | 3 | 0.006 / 0.03 / 0.07 | 0.001 | 0.3 |" in text  # per response: k3 x tokens  # the rung's responses next to its gap
     page = tmp_path / "results.md"
     begin, end = docs_markers(grid)
     assert begin != RESULTS_BEGIN

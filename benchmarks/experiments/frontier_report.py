@@ -270,12 +270,19 @@ def short_cells_table(rows: list[dict]) -> str:
     """A SmolLM2 grid's short calibration cells, one line each: what the rung does to the responses
     and to the measured gap, and which share of tokens each objective acted on (no learning verdict:
     they run a few steps, and their end-of-run evaluation is the smallest one a run allows)."""
+    def per_response(r):  # KL(mu || pi) of a whole response: the per-token estimate times the mean length
+        k3, n = r.get("kl_k3_numerics"), r.get("response_tokens_mean")
+        return None if k3 is None or n is None else k3 * n
+
     lines = [[r["objective"], r["label"], len(r.get("reward_curve") or []), r.get("response_tokens_mean"), r.get("truncated_frac"),
-              " / ".join(_fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("clipped_frac"), r.get("masked_frac"),
-              r.get("corrective_frac"), r.get("regularizer_share"), r.get("grad_norm_max"), r.get("wall_seconds")]
+              _mean(v for _, v in r.get("entropy_curve") or []),
+              " / ".join(_fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("kl_k3_numerics"), per_response(r),
+              r.get("clipped_frac"), r.get("masked_frac"), r.get("corrective_frac"), r.get("regularizer_share"), r.get("grad_norm_max"),
+              r.get("wall_seconds")]
              for r in rows if r.get("calibration")]
-    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "\\|π−μ\\| lag 0 mean / p99 / max", "clipped",
-                      "masked", "corrective", "regularizer share", "max grad norm", "wall s"], lines)
+    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "learner entropy", "\\|π−μ\\| lag 0 mean / p99 / max",
+                      "KL(μ‖π) per token (k3)", "per response (k3 × tokens)", "clipped", "masked", "corrective", "regularizer share",
+                      "max grad norm", "wall s"], lines)
 
 
 def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:

@@ -114,6 +114,7 @@ def summarize(run_dir: Path, target: float) -> dict:
            for part in ("numerics", "inflight", "staleness") for stat in ("mean", "p99", "max")},
         "gap_proximal_max": largest("gap/proximal/abs_shift_max"),
         "response_tokens_mean": mean("rollout/response_tokens_mean"), "truncated_frac": mean("rollout/truncated_frac"),
+        "kl_k3_numerics": mean("gap/numerics/kl_k3"),
         "clipped_frac": mean("objective/clip_frac_low") + mean("objective/clip_frac_high") if mean("objective/clip_frac_low") is not None else None,
         "masked_frac": mean("objective/masked_frac"), "behaviour_capped_frac": mean("learner/behaviour_weight_capped_frac"),
         "regularizer_share": mean("objective/regularizer_share"),
