@@ -13,7 +13,9 @@ In-flight weight updates land between two decoding steps: ``pause_generation(mod
 the scheduler with every request kept (and its KV cache), the weights are loaded into every vLLM
 worker through ``collective_rpc`` and vLLM's in-place ``reload_weights`` (its weight-loading path:
 HF names into its fused qkv / gate-up layouts, then the same post-load processing as at start-up),
-the served version is bumped, and ``resume_generation`` continues the same requests. A response
+the served version is bumped, and ``resume_generation`` continues the same requests. A publication
+must cover whole fused parameters (all of q/k/v, gate/up, every expert): one that covers part is
+refused before the pause (``missing_fused_parts``), since vLLM's reload leaves the rest uninitialized. A response
 spanning the update records the old version for its earlier tokens and the new one after, and no
 request is dropped or re-prefilled (responses decode without chunking). The version is bumped only
 after the load has returned: deltas the engine produced before the pause are delivered on this same
@@ -46,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import shutil
 import tempfile
 from typing import Iterable
@@ -73,6 +76,54 @@ def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         return []
     experts = lambda layer: getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)  # noqa: E731
     return [layer for layer in model.modules() if isinstance(experts(layer), cpu_moe.CPUUnquantizedExperts)]
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def missing_fused_parts(names: Iterable[str], packed: dict[str, list[str]], num_experts: int = 0) -> list[str]:
+    """The checkpoint names a publication of ``names`` lacks to cover whole vLLM parameters.
+
+    vLLM fuses checkpoint tensors into one parameter (``packed`` is the model's
+    ``packed_modules_mapping``: q/k/v into qkv_proj, gate/up into gate_up_proj) and every expert of
+    an MoE layer into one tensor per projection. Its in-place reload rebuilds a parameter the
+    publication touched from uninitialized memory and copies in what it was given: measured, an
+    up_proj-only publication left SmolLM2's gate halves as whatever the allocator returned (served
+    log-probs NaN in some runs, silently wrong in the rest). A publication must hold every sibling
+    of each fused part it has (and, for experts, every expert, ``num_experts`` of them)."""
+    names = set(names)
+    siblings = {part: group for group in packed.values() if len(group) > 1 for part in group}
+    missing: set[str] = set()
+    experts: dict[tuple[str, str], set[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            for sibling in siblings.get(part, ()):
+                missing.add(".".join(parts[:i] + [sibling] + parts[i + 1:]))
+        match = _EXPERT.match(name)
+        if match and num_experts:
+            experts.setdefault((match[1], match[3]), set()).add(int(match[2]))
+    for (head, tail), seen in experts.items():
+        missing.update(f"{head}{e}{tail}" for e in range(num_experts) if e not in seen)
+    return sorted(missing - names)
+
+
+def fused_gaps(worker, names: Iterable[str]) -> list[str]:
+    """``missing_fused_parts`` of a publication of ``names`` for ``worker``'s model."""
+    model = worker.model_runner.get_model()
+    config = worker.model_runner.model_config.hf_text_config
+    num_experts = next((int(n) for a in ("num_experts", "num_local_experts", "n_routed_experts") if (n := getattr(config, a, None))), 0)
+    return missing_fused_parts(names, getattr(model, "packed_modules_mapping", {}) or {}, num_experts)
+
+
+def refuse_partial(missing: list[str]) -> None:
+    """Raise, naming what a publication lacks (``missing_fused_parts``), when it lacks anything."""
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(
+            f"the publication covers part of vLLM's fused parameters and lacks {shown}: vLLM's reload would "
+            "leave the rest of those parameters uninitialized; publish every q/k/v, gate/up and expert part together"
+        )
 
 
 def reload_repacking_cpu_experts(worker, weights: dict[str, torch.Tensor]) -> int:
@@ -108,7 +159,11 @@ class DrpoWorkerExtension:
         self._drpo_load(weights)
         return len(weights)
 
+    def drpo_fused_gaps(self, names: list[str]) -> list[str]:
+        return fused_gaps(self, names)
+
     def _drpo_load(self, weights: dict) -> None:
+        refuse_partial(fused_gaps(self, weights))  # before anything is touched
         # reload_weights, not model.load_weights: on CPU vLLM repacks linear weights after loading
         # (the original parameters are emptied), and the in-place reload redoes that processing
         # (all of it but the MoE experts' prepack, redone here).
@@ -277,6 +332,8 @@ class VLLMEngine(Engine):
         for bucket in buckets:
             staged.update(bucket.tensors)
             if bucket.last:
+                # checked before the pause: a rejected publication leaves the served weights whole
+                refuse_partial(self._run(self.llm.collective_rpc("drpo_fused_gaps", args=(sorted(staged),)))[0])
                 self._load(staged, bucket.version)
 
     def _load(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:

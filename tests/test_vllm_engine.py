@@ -62,7 +62,7 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
     import time
 
     g = torch.Generator().manual_seed(1)
-    state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith("mlp.up_proj.weight")}
+    state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
     publication = list(publish.buckets(state.items(), version=engine.version + 1))
     old = engine.version
     prompt = [engine.chat_prompt("Write a long story about a dragon.")]
@@ -97,6 +97,36 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
         assert (c.rollout_logp[:split] - recompute_logp(reference, head, 1.0)).abs().max().item() <= 1e-3
     assert not torch.equal(group[0].response_ids, group[1].response_ids)  # n samples are independent
     reference.load_state_dict(state, strict=False)  # the module's reference follows the engine's weights
+
+
+def test_a_publication_of_part_of_a_fused_parameter_is_refused_and_the_engine_keeps_serving(engine, reference):
+    """vLLM fuses gate/up (and q/k/v) into one parameter, and its reload rebuilds a touched one from
+    uninitialized memory: an up_proj-only publication served NaN log-probs (CI, stop 30). It is
+    refused before the pause, naming the missing part; the served weights and version stay."""
+    prompt = [engine.chat_prompt(PROMPTS[1])]
+    params = SamplingParams(n=1, max_new_tokens=6, temperature=1.0, seed=7)
+    before, version = engine.generate(prompt, params)[0][0], engine.version
+    up = {k: v * 1.1 for k, v in reference.state_dict().items() if k.endswith("layers.0.mlp.up_proj.weight")}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
+        engine.update_weights(publish.buckets(up.items(), version=version + 1))
+    after = engine.generate(prompt, params)[0][0]
+    assert engine.version == version and torch.equal(before.response_ids, after.response_ids)
+    assert (after.rollout_logp - recompute_logp(reference, after, 1.0)).abs().max().item() <= 1e-3
+
+
+def test_missing_fused_parts_names_every_sibling_and_expert_a_publication_lacks():
+    from rollout.vllm_engine import missing_fused_parts
+
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"], "lm_head": ["lm_head"]}
+    whole = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")] + ["model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
+    assert missing_fused_parts(whole, packed) == []
+    assert missing_fused_parts(["model.layers.1.self_attn.k_proj.bias"], packed) == [
+        "model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias"]
+    experts = [f"model.layers.2.mlp.experts.{e}.{p}.weight" for e in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert missing_fused_parts(experts, packed, num_experts=2) == []
+    assert missing_fused_parts(experts[:3], packed, num_experts=2) == [f"model.layers.2.mlp.experts.1.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
+    # gate/up of every expert is one parameter (w13), every expert's down_proj another (w2)
+    assert missing_fused_parts(experts[:2], packed, num_experts=2) == [f"model.layers.2.mlp.experts.1.{p}.weight" for p in ("gate_proj", "up_proj")]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
