@@ -147,6 +147,13 @@ class Engine(ABC):
         """Resume after ``pause``."""
 
 
+def expert_count(config) -> int:
+    """Routed experts per MoE layer of an HF text config (a ``config.json`` dict or a config object),
+    under whichever name its architecture uses; 0 for a dense model."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    return next((int(n) for key in ("num_experts", "num_local_experts", "n_routed_experts") if (n := get(key))), 0)
+
+
 def fake_quantize_fp8(t: torch.Tensor) -> torch.Tensor:
     """Weights through float8_e4m3fn and back with a per-tensor scale: the CPU stand-in for an fp8
     engine, to create real training-inference mismatch. Scale maps the max |w| to e4m3's max 448."""

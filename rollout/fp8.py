@@ -22,6 +22,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from rollout.engine import expert_count
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 """448: the largest e4m3 magnitude; each tile's largest |w| is scaled onto it."""
@@ -86,7 +88,7 @@ def block_mismatches(model_config: dict, block: int, tp: int = 1) -> list[str]:
         return []
     head_dim = text.get("head_dim") or hidden // heads
     kv_heads = text.get("num_key_value_heads") or heads
-    moe = any(text.get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+    moe = expert_count(text) > 0
     dense_mlp = not moe or bool(text.get("mlp_only_layers")) or bool(text.get("first_k_dense_replace"))
     outputs = {"num_attention_heads x head_dim": heads * head_dim // tp, "num_key_value_heads x head_dim": max(1, kv_heads // tp) * head_dim}
     widths = {"intermediate_size": text.get("intermediate_size") if dense_mlp else None, "moe_intermediate_size": text.get("moe_intermediate_size") if moe else None}

@@ -56,7 +56,7 @@ from typing import Iterable
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
+from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, tensor_checksum
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
 
@@ -111,8 +111,7 @@ def missing_fused_parts(names: Iterable[str], packed: dict[str, list[str]], num_
 def fused_gaps(worker, names: Iterable[str]) -> list[str]:
     """``missing_fused_parts`` of a publication of ``names`` for ``worker``'s model."""
     model = worker.model_runner.get_model()
-    config = worker.model_runner.model_config.hf_text_config
-    num_experts = next((int(n) for a in ("num_experts", "num_local_experts", "n_routed_experts") if (n := getattr(config, a, None))), 0)
+    num_experts = expert_count(worker.model_runner.model_config.hf_text_config)
     return missing_fused_parts(names, getattr(model, "packed_modules_mapping", {}) or {}, num_experts)
 
 
