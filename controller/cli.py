@@ -33,21 +33,14 @@ def _objectives(args: argparse.Namespace) -> int:
 
 
 def _init_ray(cfg) -> None:
-    """Join the configured cluster, or start a local one in this process (``_shutdown_ray`` stops it)."""
+    """Join the configured cluster, or start a local one on loopback in this process (``_shutdown_ray``
+    stops it); controller/network.py says what listens where."""
     import os
 
-    import ray
+    from controller.network import init_ray
 
-    if ray.is_initialized():  # called from Python with a cluster already joined
-        return
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return
-    # a local cluster in this process, on loopback only (Ray picks eth0 otherwise)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     needed = cfg.rollout.workers * cfg.rollout.cpus_per_worker + cfg.learner.parallel.world_size * cfg.learner_resources.cpus_per_worker
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False, log_to_driver=False)
+    init_ray(cfg.ray_address, num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -74,6 +67,9 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
+    from controller.network import prepare
+
+    prepare(cfg.ray_address)  # before anything imports ray
     from controller.stop import Interrupted, StopRequest
 
     stop = StopRequest()
@@ -111,6 +107,7 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     from controller.app import check_layout, problems, train
     from controller.backend import LearnerLost
     from controller.config import ConfigError
+    from controller.network import NetworkError
     from controller.run_folder import RunFolderError, StorageError
     from controller.watchdog import Stalled
     from learner.checkpoint import CheckpointError
@@ -126,7 +123,11 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
         return 2
     if cfg.simulation is None:
         began = time.monotonic()
-        _init_ray(cfg)
+        try:
+            _init_ray(cfg)
+        except NetworkError as err:
+            print(f"drpo train: {err}", file=sys.stderr)
+            return 2
         stop.install()  # ray.init took SIGTERM over
         startup["ray_seconds"] = time.monotonic() - began
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
@@ -179,7 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from controller.config import ConfigError, load_config
-    from controller.evaluate import check_model_folder, evaluate_folder, evaluate_run
+    from controller.network import NetworkError, prepare
     from learner.checkpoint import CheckpointError
 
     target = Path(args.path)
@@ -189,13 +190,15 @@ def _eval(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{target} is neither a drpo run folder (config.yaml, checkpoints/) nor a Hugging Face model folder (config.json)")
         if is_run and args.config:
             raise ConfigError("--config: a run folder is evaluated with the config it was trained with (use --set to change eval settings)")
-        if not is_run:
-            if args.step is not None:
-                raise ConfigError(f"--step picks a run folder's checkpoint; {target} is a model folder")
-            check_model_folder(target)
+        if not is_run and args.step is not None:
+            raise ConfigError(f"--step picks a run folder's checkpoint; {target} is a model folder")
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
+        prepare(cfg.ray_address)  # before anything imports ray
         from controller.app import problems
+        from controller.evaluate import check_model_folder, evaluate_folder, evaluate_run
 
+        if not is_run:
+            check_model_folder(target)
         if not any(problems(cfg)[1].values()):  # the data, before Ray starts
             raise ConfigError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
         _init_ray(cfg)
@@ -205,7 +208,7 @@ def _eval(args: argparse.Namespace) -> int:
         else:
             result = evaluate_folder(cfg, target)
             out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}-{result.tag()}.json")
-    except (CheckpointError, ConfigError, ValueError, FileExistsError, FileNotFoundError) as err:
+    except (CheckpointError, ConfigError, ValueError, FileExistsError, FileNotFoundError, NetworkError) as err:
         print(f"drpo eval: {err}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from controller.network import quiet
+
+    quiet()  # before anything imports Ray, vLLM or transformers: nothing phones home
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -19,18 +19,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from learner.distributed import bind_gloo_to, rendezvous
 from learner.publish import WeightBucket
 
 
 class WeightBroadcastGroup:
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str | None = None, timeout_s: float = 600.0):
-        """Join the group; rank 0 hosts the rendezvous store on ``host:port``. All ranks must call."""
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, backend: str | None = None, timeout_s: float = 600.0, listener=None,
+    ):
+        """Join the group; rank 0 hosts the rendezvous store on ``host:port`` (on ``listener``, a
+        socket from ``learner.distributed.listen``, if given). All ranks must call."""
         self.rank, self.world_size = rank, world_size
         self._in_flight: list = []
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        bind_gloo_to(host)
+        self._store = rendezvous(host, port, world_size, rank, timeout, listener)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout  # NCCL's own default is 10 minutes
@@ -120,10 +125,11 @@ class Membership:
     def __init__(self):
         self.group: WeightBroadcastGroup | None = None
 
-    def join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Close any group held, then join the new one as ``rank`` (all its members call at once)."""
+    def join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, listener=None) -> None:
+        """Close any group held, then join the new one as ``rank`` (all its members call at once;
+        rank 0 hosts the rendezvous, on ``listener`` if given)."""
         self.leave()
-        self.group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s)
+        self.group = WeightBroadcastGroup(host, port, rank, world_size, timeout_s=timeout_s, listener=listener)
 
     def leave(self) -> None:
         """Close the group held, if any."""

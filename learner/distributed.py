@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -12,8 +13,14 @@ from learner import cpu_shims
 from learner.config import ParallelConfig
 
 
-def init(parallel: ParallelConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500) -> None:
-    """Join the process group (if not joined) and build megatron's tensor/pipeline/expert groups."""
+def init(
+    parallel: ParallelConfig, rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
+    listener: socket.socket | None = None,
+) -> None:
+    """Join the process group (if not joined) and build megatron's tensor/pipeline/expert groups.
+    Rank 0 hosts the rendezvous store on ``listener`` (from ``listen``), or on a socket it binds to
+    ``master_addr:master_port``; either way only that address listens, and gloo binds the interface
+    that holds it."""
     if world_size != parallel.world_size:
         raise ValueError(f"world size {world_size} does not match parallel config (tensor*pipeline*data = {parallel.world_size})")
     cpu_shims.apply()
@@ -21,10 +28,10 @@ def init(parallel: ParallelConfig, rank: int, world_size: int, master_addr: str 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        # an explicit address, not MASTER_ADDR/PORT: those leak into child processes and tests
-        dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
-        )
+        timeout = timedelta(minutes=30)
+        bind_gloo_to(master_addr)
+        store = rendezvous(master_addr, master_port, world_size, rank, timeout, listener)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -52,11 +59,45 @@ def tp_rank_size() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    import socket
-
+    """A port free on loopback now (a test's single-rank group; ``listen`` has no race)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` only (port 0: any free one): what a rendezvous store's
+    host hands to ``rendezvous``. torch's TCPStore binds every interface when it opens its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(512)
+    return s
+
+
+def rendezvous(host: str, port: int, world_size: int, rank: int, timeout: timedelta, listener: socket.socket | None = None) -> dist.TCPStore:
+    """The TCPStore of a group: rank 0 serves it on ``listener`` (or a new one on ``host:port``),
+    the others connect to ``host:port``."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = listener or listen(host, port)
+    port = listener.getsockname()[1]
+    # the store takes the descriptor over (detach: the socket object must not close it when collected)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def bind_gloo_to(host: str) -> None:
+    """Make gloo's pairs listen on the interface that holds ``host`` (GLOO_SOCKET_IFNAME; one the user
+    set is kept). Without it gloo binds whatever the machine's hostname resolves to."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == host for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
 
 
 class GatherVocabShards(torch.autograd.Function):

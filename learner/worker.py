@@ -27,10 +27,21 @@ class LearnerWorker:
         torch.set_num_threads(num_threads)
         self.learner: Learner | None = None
         self._broadcast = Membership()
+        self._listener = None
+        """The socket ``address`` opened, for the group rank 0 hosts next (``setup`` or ``join_broadcast``)."""
 
     def address(self) -> tuple[str, int]:
-        """Where rank 0 will listen for the process group (called on rank 0 only)."""
-        return ray.util.get_node_ip_address(), distributed.free_port()
+        """Where rank 0 will host the next group's rendezvous (called on rank 0 only): a socket on
+        this node's address only (loopback on a local cluster), listening until that group takes it."""
+        if self._listener is not None:
+            self._listener.close()
+        host = ray.util.get_node_ip_address()
+        self._listener = distributed.listen(host)
+        return host, self._listener.getsockname()[1]
+
+    def _take_listener(self):
+        listener, self._listener = self._listener, None
+        return listener
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -41,7 +52,7 @@ class LearnerWorker:
 
     def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
         """Join the process group and load the model; every rank must call this concurrently."""
-        distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port)
+        distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port, self._take_listener())
         self.learner = Learner.from_hf_folder(self.cfg, model_folder)
 
     def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
@@ -80,7 +91,7 @@ class LearnerWorker:
         """Rank 0 joins a weight broadcast group with the engines as its rank 0 (hosting its store);
         the other ranks only leave any group they had. A group formed again replaces the old one."""
         if self.rank == 0:
-            self._broadcast.join(host, port, 0, world_size, timeout_s)
+            self._broadcast.join(host, port, 0, world_size, timeout_s, self._take_listener())
         else:
             self._broadcast.leave()
 

@@ -9,13 +9,17 @@ cd "$(dirname "$0")/.."
 VENV="${DRPO_VENV:-.venv}"
 TORCH_SPEC="${DRPO_TORCH_SPEC:-torch==2.13.0}"
 
-# The Prometheus server the observability tests scrape with (Debian's package; not a Python one).
-if ! command -v prometheus >/dev/null 2>&1; then
+# Debian packages the tests use: the Prometheus server the observability tests scrape with, and
+# strace, with which tests/test_network.py records every socket a run binds and connects.
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v strace >/dev/null 2>&1 || missing+=(strace)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        echo "setup.sh: prometheus is not installed and this is not a root Debian shell; install the prometheus package for tests/test_observability.py" >&2
+        echo "setup.sh: ${missing[*]} not installed and this is not a root Debian shell; install them for tests/test_observability.py and tests/test_network.py" >&2
     fi
 fi
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+
+from controller.network import prepare
+
+prepare()  # the tests' clusters: loopback, quiet, token auth (set before any test module imports ray)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -64,8 +67,9 @@ def ray_local():
     """A real local Ray cluster on loopback (2 CPUs), per test module."""
     import ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from controller.network import init_ray
+
+    init_ray(num_cpus=2)
     yield ray
     ray.shutdown()
 

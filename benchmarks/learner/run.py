@@ -152,14 +152,12 @@ def _broadcast_rank(rank: int, world: int, port: int, queue) -> None:
 
 
 def _object_store_publication() -> dict:
-    import os
+    from controller.network import init_ray
 
+    init_ray(num_cpus=2)
     import ray
 
     from learner import publish
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_cpus=0)
     class Consumer:

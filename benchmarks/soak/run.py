@@ -200,8 +200,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
 
-    import os
+    from controller.network import prepare
 
+    prepare()  # a cluster on loopback, quiet, with token auth: before Ray is imported
     import ray
     from ray.cluster_utils import Cluster
 
@@ -221,7 +222,6 @@ def main() -> None:
     port = free_port()
     cfg = soak_config(out / "run", model, train_path, test_path, port, args.seed)
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(4)]  # the learner takes one, three rollout workers the rest
     cluster.wait_for_nodes()

@@ -51,9 +51,9 @@ def main() -> None:
 
     import tempfile
 
-    import ray
+    from controller.network import init_ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=4)
     seconds: dict[str, list[float]] = {"object_store": [], "broadcast": []}
     nbytes = {}
     with tempfile.TemporaryDirectory() as tmp:
