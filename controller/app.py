@@ -14,7 +14,7 @@ from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProble
 from controller.hardware import resolve_precision
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
-from controller.run_folder import check_shared, prepare
+from controller.run_folder import check_shared, holding, prepare, settle_aside
 from controller.stop import StopRequest
 from controller.telemetry import Telemetry
 from rollout.tasks import Problem, arithmetic_split, load_dataset
@@ -122,7 +122,15 @@ def train(
     if cfg.simulation is None and backend is None:
         check_layout(cfg)  # before the run folder is touched
     train_set, eval_sets, skipped = loaded or problems(cfg)  # a missing or empty data file fails here, nothing written yet
-    checkpoint = prepare(cfg, resume, overwrite)
+    with holding(run_dir):  # one driver per run folder (the CLI took it already, before Ray started)
+        try:
+            checkpoint = prepare(cfg, resume, overwrite)
+            return _train(cfg, run_dir, checkpoint, began, backend, startup, stop, train_set, eval_sets, skipped)
+        finally:
+            settle_aside(run_dir)  # an --overwrite's old run comes back unless this run checkpointed
+
+
+def _train(cfg, run_dir, checkpoint, began, backend, startup, stop, train_set, eval_sets, skipped) -> RunResult:
     loggers = build_loggers(cfg.metrics.loggers, run_dir, cfg.metrics, cfg.model_dump(mode="json"), dump(cfg))
     try:
         backend = backend or make_backend(cfg)

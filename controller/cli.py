@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import ExitStack
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -44,17 +45,36 @@ def _init_ray(cfg) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from controller.config import ConfigError, SimulationConfig, load_config
-
     if args.resume and args.overwrite:
         print("drpo train: --resume continues a run and --overwrite deletes it; give one of them", file=sys.stderr)
         return 2
+    with ExitStack() as held:
+        return _train_holding(args, held)
+
+
+def _train_holding(args: argparse.Namespace, held: ExitStack) -> int:
+    """``drpo train`` with the run folder's lock taken into ``held`` before anything is read from
+    the folder or written to it, and before Ray starts."""
+    from pathlib import Path
+
+    from controller.config import ConfigError, SimulationConfig, load_config
+    from controller.run_folder import RunFolderError, holding, settle_aside
+
+    def lock(run_dir) -> str | None:
+        try:
+            held.enter_context(holding(run_dir))  # one driver per run folder
+        except RunFolderError as err:
+            return str(err)
+        return None
+
     overrides = list(args.set or [])
     config = args.config
     if args.resume:
-        problem = _resume_problem(args.resume, overrides, config)
+        problem = _resume_problem(args.resume, overrides) or lock(args.resume)
+        if problem is None:
+            settle_aside(Path(args.resume))  # an --overwrite that never checkpointed: the old run comes back first
+            if config is None and not (Path(args.resume) / "config.yaml").is_file():
+                problem = "not a drpo run folder (no config.yaml)"
         if problem:
             print(f"drpo train: --resume {args.resume}: {problem}", file=sys.stderr)
             return 2
@@ -70,6 +90,10 @@ def _train(args: argparse.Namespace) -> int:
     from controller.network import prepare
 
     prepare(cfg.ray_address)  # before anything imports ray
+    problem = lock(cfg.run_dir)  # taken already on --resume
+    if problem:
+        print(f"drpo train: {problem}", file=sys.stderr)
+        return 2
     from controller.stop import Interrupted, StopRequest
 
     stop = StopRequest()
@@ -88,7 +112,7 @@ def _train(args: argparse.Namespace) -> int:
             _shutdown_ray()
 
 
-def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> str | None:
+def _resume_problem(run_dir: str, overrides: list[str]) -> str | None:
     """Why ``--resume run_dir`` cannot start, before any config is read (None: it can)."""
     from pathlib import Path
 
@@ -98,8 +122,6 @@ def _resume_problem(run_dir: str, overrides: list[str], config: str | None) -> s
         return "names the run folder; drop --set run_dir (to move a run, move its folder and resume it there)"
     if not Path(run_dir).is_dir():
         return "no such folder"
-    if config is None and not (Path(run_dir) / "config.yaml").is_file():
-        return "not a drpo run folder (no config.yaml)"
     return None
 
 

@@ -28,6 +28,7 @@ from controller.staleness import StalenessManager
 from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
 from controller.watchdog import Watchdog, stall_account
+from learner.checkpoint import CheckpointError, fsync_folder, write_durable
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
 
@@ -359,14 +360,22 @@ class Controller:
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
             "staleness": self.staleness.state_dict(requeued=len(self.buffer)),
         }
-        (tmp / CONFIG_FILE).write_text(dump(self.cfg))  # what --resume checks a changed config against
-        (tmp / STATE_FILE).write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
+        write_durable(tmp / CONFIG_FILE, dump(self.cfg))  # what --resume checks a changed config against
+        write_durable(tmp / STATE_FILE, json.dumps(state))  # last: a folder with it is complete
+        replaced = final.with_name(f".old-{final.name}")
+        if final.exists():  # this step again (a resumed run's last step): the old copy goes only once the new one is in
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
+        fsync_folder(root)
+        shutil.rmtree(replaced, ignore_errors=True)
         self.checkpointed = self.step
         older = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)  # the one just written always stays
         for old in older[: max(0, len(older) - (self.cfg.checkpoint.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
+        from controller.run_folder import discard_aside
+
+        discard_aside(self.cfg.run_dir)  # an --overwrite's old run goes once this run has a checkpoint
         self.telemetry.checkpoint(final)
         return final
 
@@ -375,8 +384,13 @@ class Controller:
         path = Path(folder) / STATE_FILE
         try:
             state = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"checkpoint state {path} is unreadable ({err}); resume from an earlier checkpoint by moving this one away") from None
+        except json.JSONDecodeError as err:
+            raise CheckpointError(
+                f"checkpoint state {path} is truncated or corrupt ({err}); resume from an earlier checkpoint by moving {Path(folder).name} "
+                "out of checkpoints/"
+            ) from None
+        except OSError as err:
+            raise CheckpointError(f"checkpoint state {path} is unreadable ({err})") from None
         self.step, self.version = int(state["step"]), int(state["version"])
         self.sampler.load_state_dict(state["sampler"])
         self.ledger.load_state_dict(state["ledger"])

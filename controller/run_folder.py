@@ -6,26 +6,34 @@ must keep, and the check that every node of a cluster sees the same folder.
     RUN_DIR/metrics.jsonl    every session's lines, appended
     RUN_DIR/checkpoints/     step-N folders (learner rank parts, controller.json, config.yaml)
     RUN_DIR/.drpo-storage/   the shared-storage markers of the latest start
+    RUN_DIR/.drpo-lock       the driver that uses the folder now (RunLock)
 
-A new run refuses a folder that already holds another run's metrics or checkpoints (unless told to
-overwrite, which deletes only what drpo wrote there: OWNED); ``--resume`` refuses a checkpoint whose model,
-task, objective family or learner layout differ from the config.
+One driver at a time: RunLock is taken before anything is written and refuses a second driver by
+name. A new run refuses a folder that already holds another run's metrics or checkpoints; with
+``--overwrite`` it sets what the old run wrote (OWNED, never through a symlink) aside and deletes it
+only once the new run has written its first checkpoint, so a new run that fails to start leaves the
+old one whole. ``--resume`` refuses a checkpoint whose model, task, objective family or learner
+layout differ from the config.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import sys
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from controller.config import RunConfig, dotted, dump
 from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
-from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_storage_marker
+from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_durable, write_storage_marker
 
 RUN_FILE = "run.json"
 OWNED = (
@@ -42,8 +50,163 @@ learning rate and other schedules, evaluation, checkpoint cadence, objective hyp
 change on resume."""
 
 
+LOCK_FILE = ".drpo-lock"
+LOCK_HEARTBEAT_SECONDS = 10.0
+"""How often the driver holding a run folder rewrites its lock's heartbeat."""
+LOCK_STALE_SECONDS = 120.0
+"""A lock whose heartbeat is older than this (on another host; on this one, a lock whose process is
+gone) belongs to a driver that died: the next driver takes it over, saying so."""
+ASIDE_FILE = ".drpo-previous.json"
+"""The list of an overwritten run's paths set aside (original -> moved), until the new run's first checkpoint."""
+ASIDE_PREFIX = ".drpo-previous."
+
+
 class RunFolderError(ValueError):
     """A run folder that cannot be used as asked; the message names it and the ways on."""
+
+
+class RunLock:
+    """One driver per run folder: a lock file created with O_EXCL (atomic on local disks and NFS v3+)
+    holding the driver's host, pid, start time and a heartbeat that a thread rewrites (by rename, so a
+    reader never sees half a file). A second driver is refused naming the holder; a lock whose holder
+    is gone (on this host: its process; elsewhere: a heartbeat older than ``stale_after``) is taken
+    over with a message. ``release`` removes the lock if it is still this driver's."""
+
+    def __init__(self, run_dir: str | Path, stale_after: float = LOCK_STALE_SECONDS, heartbeat: float = LOCK_HEARTBEAT_SECONDS):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.stale_after, self.interval = stale_after, heartbeat
+        self.token = uuid.uuid4().hex
+        self.lost = False
+        """Another driver took the lock over (this one's heartbeat had stopped for ``stale_after``)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> dict:
+        me = _process_start()
+        return {"host": socket.gethostname(), "pid": os.getpid(), "started": me, "heartbeat": time.time(), "token": self.token,
+                "command": " ".join(sys.argv)[:300]}
+
+    def acquire(self) -> None:
+        self._created = not self.path.parent.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                why = self._stale(holder)
+                if why is None:
+                    raise RunFolderError(f"run folder {self.path.parent} is in use by another drpo driver ({describe_holder(holder)}); "
+                                         "two drivers would overwrite each other's checkpoints. Wait until it ends (after `ray job stop` "
+                                         f"it may still checkpoint for a few minutes), or give this run another folder. A lock whose "
+                                         f"driver is gone is taken over once its heartbeat is {self.stale_after:.0f} s old") from None
+                aside = self.path.with_name(f"{LOCK_FILE}.stale-{self.token}")
+                try:
+                    os.rename(self.path, aside)  # exactly one taker wins the rename
+                except FileNotFoundError:
+                    continue
+                aside.unlink(missing_ok=True)
+                print(f"drpo train: took over the lock of run folder {self.path.parent} from a driver that is gone "
+                      f"({describe_holder(holder)}: {why})", file=sys.stderr)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._record(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            break
+        else:
+            raise RunFolderError(f"run folder {self.path.parent}: could not take its lock {self.path} (other drivers keep taking it)")
+        self._thread = threading.Thread(target=self._beat, name="drpo-run-lock", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # being created just now, or unreadable: judged by the file's age
+
+    def _stale(self, holder: dict) -> str | None:
+        """Why ``holder``'s lock may be taken over, or None while it is held."""
+        now = time.time()
+        if not holder:
+            try:
+                age = now - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return "its lock is gone"
+            return f"an unreadable lock {age:.0f} s old" if age > self.stale_after else None
+        if holder.get("host") == socket.gethostname():
+            pid = holder.get("pid")
+            if _process_start(pid) is None or abs(_process_start(pid) - holder.get("started", 0)) > 1.0:
+                return f"process {pid} is not running"
+            return None
+        age = now - float(holder.get("heartbeat", 0))
+        return f"no heartbeat for {age:.0f} s" if age > self.stale_after else None
+
+    def _beat(self) -> None:
+        tmp = self.path.with_name(f"{LOCK_FILE}.{self.token}.tmp")
+        while not self._stop.wait(self.interval):
+            if self._read().get("token") not in (self.token, None):
+                self.lost = True
+                print(f"drpo train: another driver took over the lock of run folder {self.path.parent} "
+                      f"({describe_holder(self._read())}): this driver's heartbeat had stopped", file=sys.stderr)
+                return
+            tmp.write_text(json.dumps(self._record()))
+            os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._read().get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        if getattr(self, "_created", False):
+            try:
+                self.path.parent.rmdir()  # a folder this driver made and left empty (a start refused early)
+            except OSError:
+                pass
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder:
+        return "holder unknown: the lock file is empty or unreadable"
+    beat = time.time() - float(holder.get("heartbeat", 0))
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("started") or 0)))
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started}, last heartbeat {beat:.0f} s ago"
+
+
+def _process_start(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, or None if it is not running."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, TypeError):
+        return None
+
+
+_held: dict[Path, RunLock] = {}
+
+
+@contextmanager
+def holding(run_dir: str | Path):
+    """Hold ``run_dir``'s RunLock inside (re-entrant in one process: the CLI takes it before Ray
+    starts, ``controller.app.train`` inside); released on every way out."""
+    key = Path(run_dir).resolve()
+    if key in _held:
+        yield _held[key]
+        return
+    lock = _held[key] = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except BaseException:
+        del _held[key]
+        raise
+    try:
+        yield lock
+    finally:
+        del _held[key]
+        lock.release()
 
 
 def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | None:
@@ -52,6 +215,7 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"run_dir {run_dir} is a file, not a folder")
+    settle_aside(run_dir)  # an overwrite that never reached its first checkpoint: the old run comes back
     if resume:
         return _prepare_resume(cfg, run_dir)
     held = occupant(run_dir)
@@ -62,13 +226,85 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
             "(deletes what drpo wrote there: checkpoints, metrics, exports, eval results, logger files; nothing else)"
         )
     if overwrite:
-        for pattern in OWNED:
-            for path in run_dir.glob(pattern):
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        set_aside(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _new_identity(run_dir)
     (run_dir / CONFIG_FILE).write_text(dump(cfg))
     return None
+
+
+def owned(run_dir: Path) -> list[Path]:
+    """What drpo wrote into ``run_dir`` (OWNED), never reached through a symlink: a path below a
+    symlinked folder stands for that link (removing the link leaves its target alone)."""
+    found: dict[Path, None] = {}
+    for pattern in OWNED:
+        for path in sorted(run_dir.glob(pattern)):
+            rel = path.relative_to(run_dir)
+            for depth in range(1, len(rel.parts) + 1):
+                part = run_dir.joinpath(*rel.parts[:depth])
+                if part.is_symlink() or depth == len(rel.parts):
+                    if not part.name.startswith(ASIDE_PREFIX):
+                        found[part] = None
+                    break
+    return list(found)
+
+
+def set_aside(run_dir: Path) -> None:
+    """``--overwrite``: rename what the old run wrote (``owned``) beside itself, under ASIDE_PREFIX,
+    listed in ASIDE_FILE; ``discard_aside`` deletes it at the new run's first checkpoint and
+    ``settle_aside`` renames it back if the new run ends without one. Refuses a folder whose drpo-like
+    files are not a drpo run's (no run.json)."""
+    paths = owned(run_dir)
+    if not paths:
+        return
+    if not (run_dir / RUN_FILE).is_file():
+        names = ", ".join(str(p.relative_to(run_dir)) for p in paths[:5])
+        raise RunFolderError(
+            f"--overwrite: {run_dir} holds files drpo would replace ({names}) but no {RUN_FILE}: it is not a drpo run folder, and "
+            "--overwrite replaces only a drpo run. Give this run a folder of its own (--set run_dir=...), or move those files yourself"
+        )
+    moved = []
+    for path in paths:
+        target = path.with_name(ASIDE_PREFIX + path.name)
+        os.rename(path, target)  # beside itself: the same filesystem, even below a mount point
+        moved.append([str(path.relative_to(run_dir)), str(target.relative_to(run_dir))])
+        write_durable(run_dir / ASIDE_FILE, json.dumps(moved))
+
+
+def discard_aside(run_dir: str | Path) -> None:
+    """The new run has its first checkpoint: delete the old run set aside (a symlink: the link only)."""
+    listed = Path(run_dir) / ASIDE_FILE
+    if not listed.is_file():
+        return
+    for _, moved in json.loads(listed.read_text()):
+        _remove(Path(run_dir) / moved)
+    listed.unlink()
+
+
+def settle_aside(run_dir: Path) -> None:
+    """An overwrite left an old run aside: delete it if the new run checkpointed, else put it back
+    (removing what the new run wrote first) so the old run is whole and resumable again."""
+    listed = run_dir / ASIDE_FILE
+    if not listed.is_file():
+        return
+    if complete_checkpoints(run_dir):
+        discard_aside(run_dir)
+        return
+    moved = json.loads(listed.read_text())
+    for path in owned(run_dir):
+        _remove(path)
+    for original, aside in moved:
+        if (run_dir / aside).exists() or (run_dir / aside).is_symlink():
+            os.rename(run_dir / aside, run_dir / original)
+    listed.unlink()
+    print(f"drpo train: {run_dir}: the run an --overwrite had set aside is back (the new run ended before its first checkpoint)", file=sys.stderr)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def occupant(run_dir: Path) -> str | None:

@@ -29,9 +29,37 @@ def save(path: str | Path, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_folder(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_durable(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a fsynced temporary file renamed over it, then fsync the
+    folder: after a crash the file is either the old one or the new one, whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """Make the renames and new files in ``folder`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load(path: str | Path, mmap: bool = False) -> dict:

@@ -364,6 +364,13 @@ class Learner:
     def load_checkpoint(self, path) -> None:
         state = checkpoint.load(path)
         checkpoint.check_compatible(state, self._checkpoint_meta())
+        expected, saved = set(self._own_tensors()), set(state["model"])
+        if expected != saved:  # strict=False below only skips megatron's _extra_state entries
+            missing, extra = sorted(expected - saved), sorted(saved - expected)
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} does not hold this model's weights: {len(missing)} missing ({', '.join(missing[:4])}), "
+                f"{len(extra)} unexpected ({', '.join(extra[:4])})"
+            )
         self.module.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count, self.version = int(state["step"]), int(state["version"])

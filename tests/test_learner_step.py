@@ -162,6 +162,13 @@ def test_corrupt_and_foreign_checkpoints_are_rejected_clearly(megatron_single_ra
         learner.load_checkpoint(tmp_path / "foreign.pt")
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         learner.load_checkpoint(tmp_path / "missing.pt")
+    learner.save_checkpoint(tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    dropped = sorted(state["model"])[0]
+    del state["model"][dropped]  # a checkpoint missing a weight: refused by name, never half-loaded
+    torch.save(state, tmp_path / "partial.pt")
+    with pytest.raises(checkpoint.CheckpointError, match=f"1 missing \\({dropped}"):
+        learner.load_checkpoint(tmp_path / "partial.pt")
 
 
 def test_weight_buckets_are_bounded_and_reassemble_to_hf_weights(megatron_single_rank):

@@ -62,8 +62,109 @@ def test_a_second_run_into_an_occupied_folder_is_refused_by_name_and_overwrite_s
     (run_dir / "checkpoints").symlink_to(linked / "checkpoints")  # checkpoints put on other storage
     assert drpo_train(run_dir, "--set", "train.steps=2", "--overwrite") == 0
     assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["mine.txt"]
-    assert [p.name for p in (linked / "checkpoints").iterdir()] == ["step-000002"] and (run_dir / "checkpoints").is_symlink()
+    # the link is removed, never followed: its target keeps what it held, the new run writes a folder of its own
+    assert [p.name for p in (linked / "checkpoints").iterdir()] == ["step-000001"]
+    assert not (run_dir / "checkpoints").is_symlink() and [p.name for p in complete_checkpoints(run_dir)] == ["step-000002"]
+    assert not any(p.name.startswith(".drpo-previous") for p in run_dir.rglob("*"))  # the old run is gone once the new one checkpointed
     assert main(["train", "--resume", str(run_dir), "--overwrite"]) == 2
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_drpo_run_and_deletes_nothing(tmp_path, capsys):
+    folder = tmp_path / "project"
+    (folder / "mlruns").mkdir(parents=True)
+    (folder / "mlruns" / "exp.txt").write_text("the user's MLflow runs")
+    (folder / "config.yaml").write_text("the user's own config\n")
+    assert drpo_train(folder, "--set", "train.steps=1", "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "not a drpo run folder" in err and "mlruns" in err and "config.yaml" in err
+    assert (folder / "mlruns" / "exp.txt").read_text() == "the user's MLflow runs" and (folder / "config.yaml").read_text() == "the user's own config\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "mlruns"]  # no lock, no run.json left behind
+
+
+def test_an_overwrite_that_fails_to_start_leaves_the_old_run_whole_and_resumable(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    from controller.config import SimulationConfig
+
+    cfg = load_config(None, [v for v in FAST if v not in ("--simulate", "--set")] + [f"run_dir={run_dir}", "train.steps=3"])
+    cfg = cfg.model_copy(update={"simulation": SimulationConfig()})  # what `drpo train --simulate` runs
+
+    class Broken(Exception):
+        pass
+
+    def no_backend(*_):
+        raise Broken("the new run's backend failed to start")
+
+    import controller.app as app
+
+    original, app.make_backend = app.make_backend, no_backend
+    try:
+        with pytest.raises(Broken):
+            train(cfg, overwrite=True)
+    finally:
+        app.make_backend = original
+    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before  # byte for byte: metrics, run.json, config.yaml, both checkpoints
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+    assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1, 2, 3]
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_gives_the_old_run_back_at_the_next_start(tmp_path, capsys):
+    from controller.run_folder import ASIDE_FILE, set_aside
+
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    set_aside(run_dir)  # what --overwrite did before the driver was killed
+    (run_dir / "metrics.jsonl").write_text('{"kind": "start"}\n')  # the new run's first line
+    assert (run_dir / ASIDE_FILE).is_file() and not complete_checkpoints(run_dir)
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+    assert "set aside is back" in capsys.readouterr().err
+    assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1, 2, 3]
+
+
+def test_two_drivers_one_folder_the_second_refuses_naming_the_first_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    from controller.run_folder import LOCK_FILE, RunLock
+    from tests.test_faults import REPO
+
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=1") == 0
+    assert not (run_dir / LOCK_FILE).exists()  # released when the run ended
+    first = RunLock(run_dir, heartbeat=0.2)  # a live driver: this process
+    first.acquire()
+    try:
+        done = subprocess.run([sys.executable, "-m", "controller.cli", "train", *FAST, "--resume", str(run_dir), "--set", "train.steps=2"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "in use by another drpo driver" in done.stderr, done.stderr[-2000:]
+        assert f"pid {os.getpid()}" in done.stderr and f"host {socket.gethostname()}" in done.stderr
+        beat = json.loads((run_dir / LOCK_FILE).read_text())["heartbeat"]
+        threading.Event().wait(0.5)
+        assert json.loads((run_dir / LOCK_FILE).read_text())["heartbeat"] > beat  # the heartbeat moves
+    finally:
+        first.release()
+    assert not (run_dir / LOCK_FILE).exists()
+
+    # a driver that was killed on this host: its process is gone, the lock is taken over at once
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 1.0, "heartbeat": 1.0, "token": "x"}))
+    capsys.readouterr()
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=2"]) == 0
+    assert "took over the lock" in capsys.readouterr().err and not (run_dir / LOCK_FILE).exists()
+    # a driver on another host: refused while its heartbeat is fresh, taken over once it is stale
+    import time
+
+    other = {"host": "another-node", "pid": 1, "started": time.time(), "heartbeat": time.time(), "token": "y"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(other))
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 2
+    assert "host another-node" in capsys.readouterr().err
+    (run_dir / LOCK_FILE).write_text(json.dumps({**other, "heartbeat": time.time() - 600}))
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+    assert "no heartbeat for 600 s" in capsys.readouterr().err
 
 
 def test_resume_refuses_a_changed_model_or_objective_family_by_name_and_a_moved_folder_continues_with_more_steps(tmp_path, capsys):

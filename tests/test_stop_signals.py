@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 
+from controller.run_folder import LOCK_FILE
 from tests.test_controller_e2e import run_config
 from tests.test_faults import REPO, exact, records, when
 
@@ -66,6 +67,7 @@ def test_a_signal_stops_the_run_with_a_checkpoint_and_it_resumes_exactly(tiny_ch
     assert stop["signal"] == name and not stop["abandoned"] and stop["resume_step"] == stop["step"] >= 3
     assert f"stopped by {name} at step {stop['step']}" in err and f"drpo train --resume {run_dir}" in err
     assert "Traceback" not in err
+    assert not (run_dir / LOCK_FILE).exists()  # the run folder is free for the resume
     exact(cfg, steps=stop["step"])
     deadline = time.monotonic() + 30
     while alive(ray_processes) and time.monotonic() < deadline:
