@@ -11,9 +11,13 @@
 # Waits for the job and exits with its status (--no-wait via SUBMIT_FLAGS=--no-wait). A head that
 # has just started may answer "No available agent to submit job": the submission is retried then
 # (SUBMIT_RETRIES times, 5 s apart), and only then.
+# The cluster is expected to run with token authentication (deploy/README.md): the ray CLI sends the
+# token from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (RAY_AUTH_MODE=disabled for a
+# cluster without it), and reports no usage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}" RAY_USAGE_STATS_ENABLED=0
 RUNTIME_ENV="${RUNTIME_ENV:-deploy/runtime_env.yaml}"
 PYTHON="${PYTHON:-python}"
 if [ "$#" -eq 0 ]; then

@@ -4,6 +4,7 @@ dashboards are valid Grafana dashboard JSON and match their generator; the Prome
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 
@@ -75,6 +76,61 @@ def test_every_rayjob_pod_mounts_the_shared_claim_that_holds_the_cluster_presets
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > load_config(REPO / "controller/presets/cluster-gpu.yaml").train.stop_grace_seconds
     for name in ("runtime_env.yaml", "runtime_env.local.yaml"):
         assert int(yaml.safe_load((DEPLOY / name).read_text())["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) > 120
+
+
+def _pods(job: dict) -> dict[str, dict]:
+    """Every pod template of the RayJob by role: head, each worker group, the job submitter."""
+    cluster = job["spec"]["rayClusterSpec"]
+    return {"head": cluster["headGroupSpec"]["template"], **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]},
+            "submitter": job["spec"]["submitterPodTemplate"]}
+
+
+def test_the_rayjob_is_safe_on_a_shared_cluster():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    cluster, spec = job["spec"]["rayClusterSpec"], job["spec"]
+    major, minor, *_ = map(int, cluster["rayVersion"].split("."))
+    assert cluster["authOptions"] == {"mode": "token"} and (major, minor) >= (2, 52)  # token auth: Ray 2.52+
+    assert int(spec["activeDeadlineSeconds"]) > 0
+    preset = load_config(REPO / "controller/presets/cluster-gpu.yaml")
+    stop_wait = int(yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"])
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert all(g["rayStartParams"].get("disable-usage-stats") == "true" for g in groups)
+    label = job["metadata"]["labels"]["drpo/job"]
+    for role, pod in _pods(job).items():
+        assert pod["metadata"]["labels"]["drpo/job"] == label, role  # what the NetworkPolicy selects
+        for container in pod["spec"]["containers"]:
+            image = container["image"]
+            assert re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", image) and ":latest" not in image, (role, image)  # pinned by digest
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("RAY_USAGE_STATS_ENABLED") == "0" and env.get("DO_NOT_TRACK") == "1", role
+        if role != "submitter":
+            # an eviction must leave room for the graceful stop (grace + a checkpoint) that `ray job stop` gets
+            assert pod["spec"]["terminationGracePeriodSeconds"] >= stop_wait > preset.train.stop_grace_seconds, role
+    assert "working_dir" not in yaml.safe_load(spec["runtimeEnvYAML"])  # the checkout comes with the pinned image, not a mutable archive
+    ports = {p["containerPort"] for p in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert preset.metrics.host == "127.0.0.1" and preset.metrics.port not in ports  # drpo's metrics stay in the pod
+
+
+def test_the_network_policy_admits_only_the_jobs_pods_and_the_operator():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    policy = yaml.safe_load((DEPLOY / "kuberay" / "networkpolicy.yaml").read_text())
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    label = {"drpo/job": job["metadata"]["labels"]["drpo/job"]}
+    assert policy["spec"]["podSelector"] == {"matchLabels": label}
+    sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert all("ipBlock" not in peer for peer in sources)  # no address range: nothing outside the cluster
+    assert {"podSelector": {"matchLabels": label}} in sources
+    (operator,) = [p for p in sources if p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "kuberay-operator"]
+    (rule,) = [r for r in policy["spec"]["ingress"] if operator in r["from"]]
+    assert rule["ports"] == [{"port": 8265, "protocol": "TCP"}]  # the operator reaches the job API only
+    assert len(sources) == 2
+
+
+@pytest.mark.parametrize("name", ["runtime_env.yaml", "runtime_env.local.yaml"])
+def test_runtime_envs_pin_what_they_install_and_turn_reporting_off(name):
+    env = yaml.safe_load((DEPLOY / name).read_text())
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.]*", spec) for spec in env.get("pip", [])), env.get("pip")
+    assert env["env_vars"]["RAY_USAGE_STATS_ENABLED"] == "0" and env["env_vars"]["VLLM_NO_USAGE_STATS"] == "1"
 
 
 def test_rayjob_worker_groups_declare_the_role_resources_the_cluster_preset_requests():

@@ -82,6 +82,7 @@ def ray_head(tmp_path):
     dash = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)  # tests/conftest.py's token for local clusters: this head has its own
     short_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     head = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}", "--num-cpus=2",

@@ -256,3 +256,14 @@ def test_resume_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
     cfg = sim_config(tmp_path, steps=1)
     with pytest.raises(RunFolderError, match="is not a drpo run folder"):
         train(cfg, resume=True)
+
+
+def test_a_truncated_checkpoint_state_is_named_at_resume(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    state = complete_checkpoints(run_dir)[-1] / "controller.json"
+    state.write_text(state.read_text()[: len(state.read_text()) // 2])  # a crash mid-write on storage without fsync
+    capsys.readouterr()
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint state {state} is truncated or corrupt" in err and "step-000002 out of checkpoints/" in err
