@@ -38,6 +38,9 @@ class Events:
     re-queues it). A worker comes back only after it serves the current weights."""
     revived: list[int] = field(default_factory=list)
     """Workers back from the dead, already serving the newest publication."""
+    why: dict[int, str] = field(default_factory=dict)
+    """Of the ``lost`` workers, why each was lost where the backend knows (a call past its deadline,
+    an engine that failed); a worker whose process just died has none."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class PublishReport:
 
 class LearnerLost(RuntimeError):
     """A learner rank died: the run cannot go on; resume it from its last checkpoint."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """A call the run cannot go on without (start-up, a learner call) ran past its deadline
+    (``deadlines``); the message names the call and the actors."""
 
 
 class Backend(ABC):

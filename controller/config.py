@@ -130,6 +130,14 @@ class ChaosConfig(_Config):
     lose_group: int | None = Field(
         None, ge=1, description="Worker 0 never returns its N-th training group (a request that hangs): the run stalls.",
     )
+    hang_generate: int | None = Field(
+        None, ge=1, description="Worker 0's N-th engine call blocks forever, in its first life only: a hung engine "
+        "(deadlines.engine_call_seconds kills and restarts the worker).",
+    )
+    hang_weight_load: int | None = Field(
+        None, ge=1, description="Worker 0's N-th object-store weight load blocks forever, in its first life only: a hung "
+        "engine during a publication (deadlines.weight_load_seconds kills and restarts the worker).",
+    )
     seed: int = Field(0, description="Seed of the injected faults.")
 
 
@@ -325,6 +333,30 @@ class SimulationConfig(_Config):
     seed: int = Field(0, description="Seed of the sampled durations and rewards.")
 
 
+class DeadlinesConfig(_Config):
+    """How long each remote call may take. A rollout worker's call past its deadline has the worker
+    killed and restarted (the restart path: its work re-queued, the newest weights loaded); a learner
+    call past its deadline stops the run, naming the call, resumable from its newest checkpoint."""
+
+    startup_seconds: float = Field(
+        1800.0, gt=0.0, description="Engines and learner ranks loading their model at start (a run that is not up by then stops).",
+    )
+    engine_call_seconds: float = Field(
+        1800.0, gt=0.0, description="One engine call (a batch of prompts generated together) on a rollout worker; past it the "
+        "engine is hung: the worker is killed and restarted.",
+    )
+    weight_load_seconds: float = Field(
+        600.0, gt=0.0, description="A rollout worker acknowledging an object-store publication (learner.weight_sync_timeout_s "
+        "bounds a broadcast); past it the worker is killed and restarted.",
+    )
+    publish_seconds: float = Field(600.0, gt=0.0, description="The learner exporting its weights for a publication.")
+    checkpoint_seconds: float = Field(1800.0, gt=0.0, description="The learner ranks saving or loading a checkpoint.")
+    control_seconds: float = Field(
+        120.0, gt=0.0, description="A rollout worker answering a control call (cancel queued work, reset, heartbeat after a "
+        "restart); past it the worker is killed and restarted.",
+    )
+
+
 class RunConfig(_Config):
     """One training run. ``presets/default.yaml`` is the embedded default (``drpo train`` with no
     arguments); field defaults are neutral starting points for hand-written configs."""
@@ -344,6 +376,7 @@ class RunConfig(_Config):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    deadlines: DeadlinesConfig = Field(default_factory=DeadlinesConfig)
     simulation: SimulationConfig | None = Field(None, description="Set to run the scheduler on sampled durations (no models).")
     ray_address: str | None = Field(None, description="Ray cluster to join; None = RAY_ADDRESS if set, else a local cluster in this process.")
 

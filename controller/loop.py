@@ -147,7 +147,7 @@ class Controller:
     def handle(self, events: Events) -> None:
         for worker in events.lost:
             self.worker_lost(worker)
-            self.telemetry.worker_event("lost", worker, None)
+            self.telemetry.worker_event("lost", worker, None, events.why.get(worker))
         for worker in events.revived:
             self.telemetry.worker_event("back", worker, self.backend.worker_version(worker))
         for s in events.started:

@@ -17,12 +17,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import objectives
-from controller.backend import Backend, Events, LearnerLost, PublishReport, TrainResult
+from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult
 from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from controller.hardware import resolve_precision
 from learner.batch import TrainBatch
-from learner.group import LearnerGroup
+from learner.group import LearnerGroup, LearnerTimeout
 from learner.host import check_host
 from learner.placement import PlacementError, wait_placed
 from rollout.records import Ticket
@@ -70,6 +70,7 @@ class RayBackend(Backend):
         from rollout.offline_model import materialize_smollm2
 
         self.cfg = cfg = resolve_precision(cfg)  # a config built in code may still say auto
+        self.deadlines = cfg.deadlines
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
         ro, res = cfg.rollout, cfg.learner_resources
         check_roles(cfg, learner)
@@ -119,9 +120,14 @@ class RayBackend(Backend):
             )
             for i in range(ro.workers)
         ]
+        began = time.monotonic()
         if self.learner is not None:
-            self.learner.ready()
-        beats = ray.get([a.heartbeat.remote() for a in self.actors])  # every engine is up
+            self._learner_call(self.learner.ready, self.deadlines.startup_seconds)
+        try:
+            beats = self._started_up([a.heartbeat.remote() for a in self.actors], began)  # every engine is up
+        except DeadlineExceeded:
+            self.shutdown()  # nothing of this run stays placed on the cluster
+            raise
         self._sync = None
         if self.learner is not None and cfg.learner.weight_sync == "broadcast":
             self._sync = BroadcastSync(self.learner, self.actors, cfg.learner.weight_sync_timeout_s)
@@ -147,6 +153,49 @@ class RayBackend(Backend):
         """Workers declared lost since the last wait (reported by it)."""
         self._next_probe: dict[int, float] = {}
         self._publication = None
+        self._calls: dict[int, dict] = {w: {} for w in range(self.workers)}
+        """Per worker, the submissions it started and has not returned, and when the backend heard they started."""
+        self._ack_sent: dict = {}
+        """When each pending ``update_weights`` was sent."""
+        self._why: dict[int, str] = {}
+        """Why a worker was lost, for the next ``wait``'s report."""
+
+    def _started_up(self, refs: list, began: float) -> list[dict]:
+        """Every worker's first heartbeat, within the start-up deadline (DeadlineExceeded names the late ones)."""
+        left = max(1.0, self.deadlines.startup_seconds - (time.monotonic() - began))
+        try:
+            return ray.get(refs, timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [w for w, ref in enumerate(refs) if ref not in done]
+            raise DeadlineExceeded(
+                f"rollout workers {late} did not load their engine within deadlines.startup_seconds={self.deadlines.startup_seconds:g} s"
+            ) from None
+
+    def restart(self, worker: int, reason: str) -> None:
+        """Kill ``worker``'s process and let Ray start it again (the restart path: it is reported lost
+        with ``reason``, its work re-queued, and it serves again once it loaded the newest weights)."""
+        if worker in self._down:
+            return
+        ray.kill(self.actors[worker], no_restart=False)
+        self._why[worker] = reason
+        self._lose(worker)
+        if self._sync is not None:
+            self._sync.invalidate()
+
+    def _enforce_deadlines(self) -> None:
+        """Restart every live worker with an engine call or a weight load past its deadline."""
+        now = time.monotonic()
+        for worker, calls in self._calls.items():
+            if calls and worker not in self._down and now - min(calls.values()) > self.deadlines.engine_call_seconds:
+                self.restart(worker, f"its engine call (started {now - min(calls.values()):.0f} s ago, {len(calls)} prompts) ran past "
+                             f"deadlines.engine_call_seconds={self.deadlines.engine_call_seconds:g} s: the engine is hung")
+        for ref, sent in list(self._ack_sent.items()):
+            if ref in self._acks and now - sent > self.deadlines.weight_load_seconds:
+                worker = self._acks.pop(ref)
+                del self._ack_sent[ref]
+                self.restart(worker, f"update_weights (loading a publication) ran past deadlines.weight_load_seconds="
+                             f"{self.deadlines.weight_load_seconds:g} s: the engine is hung")
 
     def now(self) -> float:
         return time.monotonic()
@@ -160,15 +209,18 @@ class RayBackend(Backend):
             if i in self._down:
                 continue
             try:
-                taken += ray.get(a.cancel_queued.remote())
+                taken += ray.get(a.cancel_queued.remote(), timeout=self.deadlines.control_seconds)
             except RayActorError:
                 pass  # died just now: the controller hears of it from its poll
+            except ray.exceptions.GetTimeoutError:
+                self.restart(i, f"cancel_queued ran past deadlines.control_seconds={self.deadlines.control_seconds:g} s")
         return taken
 
     def train(self, batch: TrainBatch) -> None:
         self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
 
     def wait(self) -> Events:
+        self._enforce_deadlines()
         self._probe_down_workers()
         revived, self._revived = self._revived, []
         lost, self._lost = self._lost, []
@@ -176,17 +228,22 @@ class RayBackend(Backend):
         ray.wait(pending, num_returns=1, timeout=PROBE_SECONDS if not self._down else 1.0)
         ready = set(ray.wait(pending, num_returns=len(pending), timeout=0)[0])
         self._collect_acks(ready)
-        events = Events(lost=lost, revived=revived)
+        events = Events(lost=lost, revived=revived, why={w: self._why.pop(w) for w in lost if w in self._why})
         for ref in [r for r in self._collects if r in ready]:
             worker = self._collects.pop(ref)
             try:
                 finished, began = ray.get(ref)
             except RayActorError:
                 self._down.add(worker)
+                self._calls[worker] = {}
                 events.lost.append(worker)
                 if self._sync is not None:
                     self._sync.invalidate()
                 continue
+            now = time.monotonic()
+            self._calls[worker].update({s.ticket: now for s in began})
+            for g in finished:
+                self._calls[worker].pop(g.ticket, None)
             events.groups.extend(finished)
             events.started.extend(began)
             self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
@@ -214,7 +271,8 @@ class RayBackend(Backend):
         """A restarted worker loads the newest publication before it is given work again."""
         try:
             ray.get(probe)
-            ray.get(self.actors[worker].reset.remote())  # a worker that only looked dead still holds re-queued work
+            # a worker that only looked dead still holds re-queued work
+            ray.get(self.actors[worker].reset.remote(), timeout=self.deadlines.control_seconds)
             if self._sync is not None and self._version > 0:
                 # it joins the group when the next publication forms it again, and takes work once
                 # that publication reached it (the learner may already be past the current version)
@@ -223,7 +281,9 @@ class RayBackend(Backend):
                     self._learner_call(self._broadcast, self._version, time.monotonic())
                 return
             if self._publication is not None:
-                self._serving[worker] = ray.get(self.actors[worker].update_weights.remote(self._publication.refs))
+                self._serving[worker] = ray.get(
+                    self.actors[worker].update_weights.remote(self._publication.refs), timeout=self.deadlines.weight_load_seconds,
+                )
             else:
                 self._serving[worker] = 0
         except ActorDiedError:
@@ -233,13 +293,19 @@ class RayBackend(Backend):
             return
         except RayActorError:
             return  # still restarting; probed again on the next wait
+        except ray.exceptions.GetTimeoutError:
+            self._down.discard(worker)  # restart() acts on live workers only
+            self.restart(worker, "after its restart, reset or loading the newest publication ran past its deadline "
+                         f"(deadlines.control_seconds / weight_load_seconds)")
+            return
         self._back(worker)
         events.revived.append(worker)
 
     def _lose(self, worker: int) -> None:
-        """Declare a worker lost outside ``wait`` (a broadcast found it dead or unavailable): its poll
-        is dropped, so it is reported lost once, by the next ``wait``."""
+        """Declare a worker lost outside ``wait`` (a broadcast found it dead or unavailable, or a call
+        ran past its deadline): its poll is dropped, so it is reported lost once, by the next ``wait``."""
         self._down.add(worker)
+        self._calls[worker] = {}
         for ref in [r for r, w in self._collects.items() if w == worker]:
             del self._collects[ref]
         self._lost.append(worker)
@@ -259,13 +325,22 @@ class RayBackend(Backend):
         publication = self._object_store_publication(version)
         for i, a in enumerate(self.actors):
             if i not in self._down:
-                self._acks[a.update_weights.remote(publication.refs)] = i
+                ref = a.update_weights.remote(publication.refs)
+                self._acks[ref], self._ack_sent[ref] = i, time.monotonic()
         if wait and self._acks:
-            self._collect_acks(set(ray.wait(list(self._acks), num_returns=len(self._acks))[0]))
+            ready, late = ray.wait(list(self._acks), num_returns=len(self._acks), timeout=self.deadlines.weight_load_seconds)
+            self._collect_acks(set(ready))
+            for ref in late:  # a hung engine must not hang a synchronous run: restarted, it loads this publication
+                worker = self._acks.pop(ref)
+                self._ack_sent.pop(ref, None)
+                self.restart(worker, f"update_weights of version {version} ran past deadlines.weight_load_seconds="
+                             f"{self.deadlines.weight_load_seconds:g} s: the engine is hung")
         return PublishReport(time.monotonic() - started, publication.nbytes)
 
     def _object_store_publication(self, version: int):
-        publication = self._learner_call(self.learner.publish, self.cfg.learner.weight_bucket_mib * 2**20, PUBLISH_DTYPE[self.cfg.rollout.precision])
+        publication = self._learner_call(
+            self.learner.publish, self.cfg.learner.weight_bucket_mib * 2**20, PUBLISH_DTYPE[self.cfg.rollout.precision], self.deadlines.publish_seconds,
+        )
         if publication.version != version:
             raise RuntimeError(f"learner published version {publication.version}, the controller expected {version}")
         self._publication = publication
@@ -322,6 +397,7 @@ class RayBackend(Backend):
         """Record the version of every worker whose ``update_weights`` returned (among ``ready``)."""
         for ref in [r for r in self._acks if r in ready]:
             w = self._acks.pop(ref)
+            self._ack_sent.pop(ref, None)
             try:
                 self._serving[w] = max(self._serving[w], ray.get(ref))
             except RayActorError:
@@ -339,15 +415,20 @@ class RayBackend(Backend):
                 f"a learner rank died ({type(err).__name__}); the run stops. Continue it from its last checkpoint with: "
                 f"drpo train --resume {self.cfg.run_dir}"
             ) from None
+        except LearnerTimeout as err:
+            raise DeadlineExceeded(
+                f"{err} (deadlines in the config); the run stops. Continue it from its last checkpoint with: "
+                f"drpo train --resume {self.cfg.run_dir}"
+            ) from None
 
     def probe_storage(self, run_dir: str, nonce: str) -> list[dict]:
         return self._learner_call(self.learner.check_storage, run_dir, nonce) if self.learner is not None else []
 
     def save(self, folder: str) -> None:
-        self._learner_call(self.learner.save_checkpoint, folder)
+        self._learner_call(self.learner.save_checkpoint, folder, self.deadlines.checkpoint_seconds)
 
     def load(self, folder: str, version: int) -> None:
-        self._learner_call(self.learner.load_checkpoint, folder)
+        self._learner_call(self.learner.load_checkpoint, folder, self.deadlines.checkpoint_seconds)
         self.publish(version, wait=True)
         self._serving = [version] * self.workers
 

@@ -167,9 +167,14 @@ class Telemetry:
         self._write({"kind": "dataset", "time": self.clock(), "path": path, "field": field,
                      "skipped": [{"row": r, "reason": why} for r, why in rows]})
 
-    def worker_event(self, event: str, worker: int, version: int | None) -> None:
-        """A rollout worker died ("lost") or came back serving ``version`` ("back")."""
-        self._write({"kind": "worker", "time": self.clock(), "event": event, "worker": worker, "version": version})
+    def worker_event(self, event: str, worker: int, version: int | None, reason: str | None = None) -> None:
+        """A rollout worker died ("lost", with the ``reason`` where known, also printed) or came back
+        serving ``version`` ("back")."""
+        record = {"kind": "worker", "time": self.clock(), "event": event, "worker": worker, "version": version}
+        if reason:
+            record["reason"] = reason
+            print(f"drpo train: rollout worker {worker} lost: {reason}; it restarts", file=sys.stderr, flush=True)
+        self._write(record)
         self.worker_events[event] = self.worker_events.get(event, 0) + 1
 
     def checkpoint(self, path: Path) -> None:

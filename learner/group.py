@@ -26,6 +26,21 @@ SHUTDOWN_SECONDS = 10.0
 """How long shutdown waits for the ranks to leave their process groups before killing them."""
 
 
+class LearnerTimeout(RuntimeError):
+    """A learner call did not finish within its deadline; the message names the call and the ranks."""
+
+
+def _get(refs: list, call: str, timeout: float | None):
+    """``ray.get(refs)`` bounded by ``timeout`` seconds (None: unbounded); LearnerTimeout names the
+    ranks that had not answered."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        late = [rank for rank, ref in enumerate(refs) if ref not in done]
+        raise LearnerTimeout(f"learner {call} did not finish within {timeout:g} s (ranks {late} had not answered)") from None
+
+
 class LearnerGroup:
     def __init__(
         self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None,
@@ -55,10 +70,11 @@ class LearnerGroup:
         if wait:
             self.ready()
 
-    def ready(self) -> None:
-        """Wait until every rank has joined the process group and loaded the model."""
+    def ready(self, timeout: float | None = None) -> None:
+        """Wait (up to ``timeout`` seconds: LearnerTimeout) until every rank has joined the process
+        group and loaded the model."""
         if self._setup:
-            ray.get(self._setup)
+            _get(self._setup, "setup (joining the process group, loading the model)", timeout)
             self._setup = []
 
     def _dp_rank(self, rank: int) -> int:
@@ -82,11 +98,10 @@ class LearnerGroup:
         outs = check_host(ray.get([w.compute_logprobs.remote(chunks[self._dp_rank(i)]) for i, w in enumerate(self.workers)]), "compute_logprobs")
         return torch.cat([outs[r * self.cfg.parallel.tensor].logp for r in range(dp)])
 
-    def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = None) -> Publication:
+    def publish(self, max_bytes: int = DEFAULT_BUCKET_BYTES, dtype: str | None = None, timeout: float | None = None) -> Publication:
         """The current weights through the object store; ``dtype`` (torch dtype name): the engines'
         weight dtype (None: the learner's own)."""
-        results = ray.get([w.publish.remote(max_bytes, dtype) for w in self.workers])
-        return results[0]
+        return _get([w.publish.remote(max_bytes, dtype) for w in self.workers], "publish", timeout)[0]
 
     def join_broadcast(self, host: str, port: int, world_size: int, timeout_s: float) -> list:
         """Start the learner's side of a weight broadcast group of ``world_size`` (1 + engine ranks),
@@ -108,11 +123,11 @@ class LearnerGroup:
         paths = [run_dir] * len(self.workers) if isinstance(run_dir, str) else run_dir
         return ray.get([w.check_storage.remote(p, nonce) for w, p in zip(self.workers, paths)])
 
-    def save_checkpoint(self, folder: str) -> list[str]:
-        return ray.get([w.save_checkpoint.remote(folder) for w in self.workers])
+    def save_checkpoint(self, folder: str, timeout: float | None = None) -> list[str]:
+        return _get([w.save_checkpoint.remote(folder) for w in self.workers], f"save_checkpoint into {folder}", timeout)
 
-    def load_checkpoint(self, folder: str) -> None:
-        ray.get([w.load_checkpoint.remote(folder) for w in self.workers])
+    def load_checkpoint(self, folder: str, timeout: float | None = None) -> None:
+        _get([w.load_checkpoint.remote(folder) for w in self.workers], f"load_checkpoint from {folder}", timeout)
 
     def shutdown(self, timeout: float | None = SHUTDOWN_SECONDS) -> None:
         """Leave the process groups and stop every rank; a rank still busy after ``timeout`` seconds

@@ -165,6 +165,7 @@ class RolloutWorker:
         self._stats = _Stats()
         self._in_flight = 0
         self._receives = 0
+        self._engine_calls = self._weight_loads = 0
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
@@ -212,8 +213,15 @@ class RolloutWorker:
         import ray
 
         buckets = ray.get(list(bucket_refs))
+        self._weight_loads += 1
+        self._hang_by_chaos("hang_weight_load", self._weight_loads)
         self.engine.update_weights(buckets)
         return buckets[-1].version
+
+    def _hang_by_chaos(self, option: str, count: int) -> None:
+        """chaos hang_generate / hang_weight_load: worker 0, in its first life, blocks forever at the N-th call."""
+        if self.chaos.get(option) == count and self.worker_id == 0 and not _restarted():
+            threading.Event().wait()
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join the learner's weight broadcast group as ``rank`` (called for every member at once)."""
@@ -321,6 +329,8 @@ class RolloutWorker:
         if prompts:
             _, _, n = batch[next(iter(prompts))]
             params = self._params([batch[i][0] for i in prompts], n)
+            self._engine_calls += 1
+            self._hang_by_chaos("hang_generate", self._engine_calls)
             try:
                 results = self.engine.generate(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why

@@ -206,3 +206,27 @@ def test_a_group_that_never_returns_is_reported_then_fails_the_run_by_name(ray_l
     assert worker["serves"] == stall["version"] and worker["loop_alive"] is True and worker["running"] == 0
     assert lost["ticket"] in str(err.value) and "worker 0" in str(err.value)
     assert "no progress for" in capfd.readouterr().err  # printed for the person watching
+
+
+@pytest.mark.parametrize(("mode", "hang"), [("sync", "hang_weight_load"), ("sync", "hang_generate"), ("async", "hang_generate")])
+def test_a_hung_engine_is_killed_at_its_deadline_and_restarted_and_the_run_finishes_exactly(ray_local, tiny_chat_model, tmp_path, mode, hang):
+    """chaos hangs worker 0 forever in an engine call or in loading a publication (the sync default
+    waits for every worker to load each publication): past its deadline the worker is killed and
+    restarted through the restart path, the reason is recorded, and the ledger stays exact."""
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4)
+    data = cfg.model_dump(mode="json")
+    data["train"].update(mode=mode, max_staleness=0 if mode == "sync" else 1)
+    data["rollout"].update(workers=1, chaos={hang: 1 if hang == "hang_weight_load" else 4})
+    data["deadlines"].update(engine_call_seconds=6, weight_load_seconds=6)
+    data["eval"].update(every=0)
+    cfg = RunConfig.model_validate(data)
+    began = time.monotonic()
+    result = train(cfg)
+    assert result.steps == 4
+    events = records(Path(cfg.run_dir), "worker")
+    (lost,) = [e for e in events if e["event"] == "lost"]
+    deadline = "weight_load_seconds" if hang == "hang_weight_load" else "engine_call_seconds"
+    assert f"deadlines.{deadline}=6 s: the engine is hung" in lost["reason"], lost
+    assert [e["event"] for e in events].count("back") == 1
+    assert time.monotonic() - began < 240  # not hung: the deadline, a restart and four tiny steps
+    exact(cfg)

@@ -69,3 +69,18 @@ def test_the_storage_check_fails_at_start_naming_the_rank_that_sees_another_fold
             check_shared(run_dir, lambda nonce: group.check_storage([str(run_dir), str(node_local)], nonce))
     finally:
         group.shutdown()
+
+
+def test_a_learner_call_past_its_deadline_names_the_call_and_the_late_ranks(ray_local):
+    import time
+
+    from learner.group import LearnerTimeout, _get
+
+    @ray_local.remote
+    def rank(seconds):
+        time.sleep(seconds)
+        return seconds
+
+    assert _get([rank.remote(0), rank.remote(0)], "save_checkpoint", 30) == [0, 0]
+    with pytest.raises(LearnerTimeout, match=r"learner save_checkpoint into /x did not finish within 1 s \(ranks \[1\] had not answered\)"):
+        _get([rank.remote(0), rank.remote(60)], "save_checkpoint into /x", 1)
