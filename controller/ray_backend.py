@@ -41,6 +41,8 @@ bytes moved); fp8 engines quantize from full precision."""
 ROLE_RESOURCE_SHARE = 0.001
 """How much of a role's node resource (``*.node_resource``) each bundle requests: a node declaring 1
 hosts up to 1,000 ranks or workers of that role, and none of the other."""
+ENGINE_CLOSE_SECONDS = 30.0
+"""How long shutdown waits for the rollout workers to close their engines before killing them."""
 COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
@@ -296,7 +298,7 @@ class RayBackend(Backend):
         except ray.exceptions.GetTimeoutError:
             self._down.discard(worker)  # restart() acts on live workers only
             self.restart(worker, "after its restart, reset or loading the newest publication ran past its deadline "
-                         f"(deadlines.control_seconds / weight_load_seconds)")
+                         "(deadlines.control_seconds / weight_load_seconds)")
             return
         self._back(worker)
         events.revived.append(worker)
@@ -433,8 +435,12 @@ class RayBackend(Backend):
         self._serving = [version] * self.workers
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            a.shutdown.remote()
+        # each worker closes its engine (engine processes, /dev/shm staging) before its process is killed
+        closing = [a.shutdown.remote() for i, a in enumerate(self.actors) if i not in getattr(self, "_down", ())]
+        try:
+            ray.wait(closing, num_returns=len(closing), timeout=ENGINE_CLOSE_SECONDS)
+        except RayActorError:
+            pass
         try:
             if self.learner is not None:
                 self.learner.shutdown()

@@ -25,7 +25,7 @@ from controller.staleness import LAG_BINS, StalenessStats
 from rollout.records import Group
 
 
-REASONS = ("correct", "wrong", "no_answer", "too_long", "not_literal", "computation", "timeout", "error")
+REASONS = ("correct", "wrong", "no_answer", "too_long", "not_literal", "computation", "too_large", "timeout", "error")
 """Reward verdicts (rollout.rewards.RewardResult.reason); each step reports every one's share (a
 gauge that is not rewritten would keep its last value)."""
 

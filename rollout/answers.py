@@ -79,6 +79,46 @@ def is_computation(answer: str) -> bool:
     return not is_literal(answer) and bool(_COMPUTATION_RE.search(answer))
 
 
+MAX_EXPONENT = 10_000
+"""A power with a larger integer exponent (or a tower, an exponent that is itself a power) is too
+large to compare: sympy would build the number digit by digit (``10^{10^{10}}`` has ten billion)."""
+
+
+def _exponents(answer: str) -> list[str]:
+    """The exponent of every ``^`` in ``answer``: a brace group's contents, or the token after it."""
+    out = []
+    for i, ch in enumerate(answer):
+        if ch != "^":
+            continue
+        rest = answer[i + 1 :].lstrip()
+        if rest.startswith("{"):
+            depth = 0
+            for j, c in enumerate(rest):
+                depth += (c == "{") - (c == "}")
+                if depth == 0:
+                    out.append(rest[1:j])
+                    break
+            else:
+                out.append(rest[1:])
+        else:
+            m = re.match(r"-?[\w.]+", rest)
+            token = m.group(0) if m else ""
+            tower = rest[len(token) :].lstrip().startswith("^")  # a^b^c is a^(b^c)
+            out.append(token + "^" if tower else token)
+    return out
+
+
+def is_too_large(answer: str) -> bool:
+    """A power tower or a power with an exponent above MAX_EXPONENT (``10^{10^{10}}``, ``2^{100000}``)."""
+    for exponent in _exponents(answer):
+        if "^" in exponent:
+            return True
+        digits = exponent.strip().lstrip("-").replace(",", "")
+        if digits.isdigit() and int(digits) > MAX_EXPONENT:
+            return True
+    return False
+
+
 def _line_after(tail: str, end: int) -> str:
     stop = tail.find("\n", end)
     return tail[end : stop if stop >= 0 else len(tail)]

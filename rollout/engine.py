@@ -11,9 +11,10 @@ response that spans an update carries both versions, token by token.
 from __future__ import annotations
 
 import hashlib
-
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Literal
 
 import torch
@@ -89,12 +90,34 @@ class Completion:
     input, its row is -1. None: a dense model, or an engine that does not report routing."""
 
 
+def private_folder(prefix: str, parent: str | None = None) -> str:
+    """A new folder ``{prefix}{pid}-XXXX`` (under ``parent``, default the temporary folder) that
+    ``Engine.close`` removes. A process killed before it closed its engine (a restart after a hung
+    call, a SIGKILL) cannot remove its own: each new one removes the folders of ``prefix`` whose
+    process is gone, so /dev/shm and the disk do not fill up over restarts."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    root = Path(parent or tempfile.gettempdir())
+    for old in root.glob(f"{prefix}*-*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
 class Engine(ABC):
     """A rollout backend. ``version`` is the policy version of the weights currently served."""
 
     version: int
     tokenizer: object
     """A Hugging Face tokenizer of the served model."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory (engine processes, staging
+        folders); the worker calls it on shutdown. This default holds nothing."""
 
     def chat_prompt(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat prompt with the generation prompt appended."""

@@ -20,13 +20,14 @@ another thread, so the bound is enforced by killing and restarting the process.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
-from rollout.answers import extract, is_computation, is_literal
+from rollout.answers import extract, is_computation, is_literal, is_too_large
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class RewardResult:
     extracted: str | None
     """The answer taken from the completion, or None."""
     reason: str
-    """correct | wrong | no_answer | too_long | not_literal | computation | timeout | error"""
+    """correct | wrong | no_answer | too_long | not_literal | computation | too_large | timeout | error"""
     marker: str | None = None
     """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
     shaping: float = 0.0
@@ -82,6 +83,8 @@ def _answer_or_rejection(completion: str, require_marker: bool, literal_only: bo
         return found.answer, found.marker, RewardResult(0.0, found.answer, "not_literal", found.marker)
     if is_computation(found.answer):
         return found.answer, found.marker, RewardResult(0.0, found.answer, "computation", found.marker)
+    if is_too_large(found.answer):  # checked here, not left to math-verify's time bound (a whole timeout per sample)
+        return found.answer, found.marker, RewardResult(0.0, found.answer, "too_large", found.marker)
     return found.answer, found.marker, None
 
 
@@ -102,8 +105,35 @@ class LiteralNumberReward:
         return RewardResult(1.0 if correct else 0.0, answer, "correct" if correct else "wrong", marker)
 
 
-def _verify_loop(conn) -> None:
+VERIFY_MEMORY_BYTES = 4 * 2**30
+"""The math-verify process's address space (RLIMIT_AS): a comparison that would exceed it fails
+(MemoryError: reason "error") instead of taking the node's memory."""
+
+
+def _bound_this_process(memory_bytes: int) -> None:
+    """Linux: die with the parent (PR_SET_PDEATHSIG: a SIGKILLed rollout worker leaves no verifier
+    behind) and cap the address space. Elsewhere only what the platform offers."""
+    import resource
+    import signal
+
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the line above
+            os._exit(0)
+    except OSError:
+        pass
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    except (ValueError, OSError):
+        pass
+
+
+def _verify_loop(conn, memory_bytes: int = VERIFY_MEMORY_BYTES) -> None:
     """Worker process: math-verify (gold, answer) pairs until the pipe closes."""
+    _bound_this_process(memory_bytes)
     from math_verify import parse, verify
 
     while True:
@@ -114,7 +144,7 @@ def _verify_loop(conn) -> None:
         try:
             ok = verify(parse(gold, parsing_timeout=None), parse(answer, parsing_timeout=None), timeout_seconds=None)
             conn.send(("ok", bool(ok)))
-        except Exception as err:  # math-verify/sympy failures are the answer's problem, not the worker's
+        except (Exception, MemoryError) as err:  # math-verify/sympy failures are the answer's problem, not the worker's
             conn.send(("error", repr(err)[:200]))
 
 

@@ -57,13 +57,12 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import tempfile
 from typing import Iterable
 
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, tensor_checksum
+from rollout.engine import Completion, Engine, Precision, SamplingParams, private_folder, tensor_checksum
 from rollout.fp8 import quantize_named, write_fp8_folder
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 
@@ -90,7 +89,7 @@ class SGLangEngine(Engine):
         if precision == "fp8":  # SGLang loads the block-fp8 copy as an fp8 checkpoint
             if fp8_block != 128:  # DeepGEMM, SGLang's default fp8 GEMM on Hopper, assumes 128x128 tiles: its triton kernel takes others
                 os.environ.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "0")
-            self._scratch = tempfile.mkdtemp(prefix="drpo-sglang-fp8-")
+            self._scratch = private_folder("drpo-sglang-fp8-")
             served_folder = str(write_fp8_folder(model_folder, self._scratch, fp8_block))
         kwargs = dict(
             model_path=served_folder, dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,

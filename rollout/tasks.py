@@ -202,8 +202,13 @@ def _rows(path: Path):
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
         yield from enumerate(pq.read_table(path).to_pylist(), start=1)
         return
-    with path.open() as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a row that is not UTF-8 is skipped by itself, not the whole file
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield number, ValueError(f"not UTF-8 ({err.reason} at byte {err.start})")
+                continue
             if not line.strip():
                 continue
             try:
@@ -227,7 +232,7 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFor
     for number, row in _rows(path):
         try:
             if isinstance(row, Exception):
-                raise ValueError(f"not JSON: {row}")
+                raise ValueError(f"not JSON: {row}" if isinstance(row, json.JSONDecodeError) else str(row))
             if not isinstance(row, dict):
                 raise ValueError("not an object")
             kind = row_format(row) if fmt == "auto" else fmt

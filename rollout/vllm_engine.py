@@ -50,13 +50,12 @@ import itertools
 import os
 import re
 import shutil
-import tempfile
 from typing import Iterable
 
 import torch
 
 from learner.publish import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, tensor_checksum
+from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, private_folder, tensor_checksum
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
 
@@ -230,8 +229,8 @@ class VLLMEngine(Engine):
         if kv_cache_gib is not None or not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
         self.served = ServedWeights(version)
-        self._tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-", dir=STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
-        self._disk_tmp = tempfile.mkdtemp(prefix="drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
+        self._tmp = private_folder("drpo-vllm-weights-", STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
+        self._disk_tmp = private_folder("drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
         self._ids = itertools.count()
         self.tokens_received = 0
         """Response tokens streamed back so far, over all requests (progress; tests use it)."""

@@ -259,8 +259,18 @@ class RolloutWorker:
                 "failures": self._stats.failures, "last_step_time": self._stats.last_step,
             }
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop taking work, let the engine call in flight end (up to ``timeout_s``), then close the
+        engine (its processes and staging folders) and the reward's verifier."""
         self._inbox.close()
+        self._thread.join(timeout=timeout_s)
+        for part in (self.engine, self.reward):
+            close = getattr(part, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception as err:  # shutting down: say so, and close the rest
+                    print(f"rollout worker {self.worker_id}: closing {type(part).__name__} failed: {type(err).__name__}: {err}", flush=True)
 
     def _loop(self) -> None:
         rows = self.max_batch_prompts * self.sampling.n  # an engine call's rows: evaluation (n = 1) batches more prompts

@@ -96,6 +96,71 @@ def test_dataset_loader_skips_bad_rows_and_reports_them_by_number(tmp_path):
         load_dataset(tmp_path / "bad.jsonl")
 
 
+def test_a_row_that_is_not_utf8_is_skipped_by_itself(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"problem": "What is 1+1?", "answer": "2"}\n{"problem": "bad \xff byte", "answer": "3"}\n'
+                     b'{"problem": "What is 3+3?", "answer": "6"}\n')
+    report = load_dataset(path)
+    assert [p.ground_truth for p in report.problems] == ["2", "6"]
+    assert report.skipped == [(2, "not UTF-8 (invalid start byte at byte 17)")]
+
+
+def test_a_power_tower_is_refused_before_math_verify_spends_its_time_bound():
+    from rollout.answers import is_too_large
+
+    assert is_too_large("10^{10^{10}}") and is_too_large("2^{100000}") and is_too_large("9^9^9") and is_too_large("3^{1,000,000}")
+    assert not is_too_large("10^{100}") and not is_too_large("x^2+1") and not is_too_large("e^{i\\pi}") and not is_too_large("2^{-3}")
+    reward = MathVerifyReward(timeout_s=60.0)
+    try:
+        started = time.perf_counter()
+        result = reward("so \\boxed{10^{10^{10}}}", "7")
+        assert result.reason == "too_large" and result.extracted == "10^{10^{10}}" and time.perf_counter() - started < 1
+        assert reward("\\boxed{10^{3}}", "1000").reason in ("correct", "wrong")  # a small power still reaches math-verify
+    finally:
+        reward.close()
+
+
+def test_the_verifier_process_is_bounded_and_dies_with_its_parent(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rollout.rewards import VERIFY_MEMORY_BYTES
+
+    script = (
+        "import os, sys\n"
+        "from rollout.rewards import MathVerifyReward\n"
+        "if __name__ == '__main__':\n"
+        "    r = MathVerifyReward(timeout_s=120.0)\n"
+        "    assert r('\\\\boxed{3}', '3').reason == 'correct'\n"
+        "    print(r._proc.pid, flush=True)\n"
+        "    os.kill(os.getpid(), 9)\n"
+    )
+    (tmp_path / "parent.py").write_text(script)
+    done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert done.returncode == -9, done.stderr[-2000:]
+    child = int(done.stdout.split()[0])
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{child}") and time.time() < deadline:
+        try:
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"  # gone with its parent
+    reward = MathVerifyReward(timeout_s=120.0)
+    try:
+        assert reward("\\boxed{3}", "3").reason == "correct"
+        limits = open(f"/proc/{reward._proc.pid}/limits").read()
+        (line,) = [l for l in limits.splitlines() if l.startswith("Max address space")]
+        assert line.split()[3] == str(VERIFY_MEMORY_BYTES)
+    finally:
+        reward.close()
+
+
 def test_dataset_loader_reads_dapo_style_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +77,23 @@ def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
     assert kinds == ["TrainTicket", "TrainTicket", "EvalTicket", "TrainTicket"]
     inbox.close()
     assert inbox.take(limit) is None
+
+
+def test_an_engines_private_folders_of_dead_processes_are_swept_by_the_next_one(tmp_path):
+    import subprocess
+    import sys
+
+    from rollout.engine import private_folder
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"drpo-vllm-weights-{dead.pid}-abcd"  # left by a worker killed before it closed its engine
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 1024)
+    live = tmp_path / f"drpo-vllm-weights-{os.getpid()}-efgh"  # another engine of a live process
+    live.mkdir()
+    other = tmp_path / "drpo-vllm-weights-notapid"
+    other.mkdir()
+    made = Path(private_folder("drpo-vllm-weights-", str(tmp_path)))
+    assert made.is_dir() and made.name.startswith(f"drpo-vllm-weights-{os.getpid()}-")
+    assert not stale.exists() and live.is_dir() and other.is_dir()

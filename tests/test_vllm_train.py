@@ -42,6 +42,7 @@ def test_async_drpo_train_with_two_vllm_workers(ray_local, tiny_vllm_long_model,
     # few digits the rollouts outran the learner and a spanning response came about once in 30 steps
     # (one CI run waited 300 s and none came)
     cfg = vllm_config(tmp_path, tiny_vllm_long_model, steps=1000, max_new_tokens=48)
+    staging_before = staging_folders()
     backend = RayBackend(cfg)
     run_dir = tmp_path / "run"
     stop = StopRequest()
@@ -80,3 +81,13 @@ def test_async_drpo_train_with_two_vllm_workers(ray_local, tiny_vllm_long_model,
     events = records(run_dir, "worker")
     assert [e["event"] for e in events] == ["lost", "back"] and events[1]["version"] >= 3
     exact(cfg, steps=result.steps)
+    # the killed worker's staging folders went when its replacement started, the others' when the engines closed
+    assert staging_folders() <= staging_before
+
+
+def staging_folders() -> set[str]:
+    """vLLM engines' weight staging folders, in /dev/shm and on disk (rollout/engine.py private_folder)."""
+    import glob
+    import tempfile
+
+    return set(glob.glob("/dev/shm/drpo-vllm-weights-*")) | set(glob.glob(f"{tempfile.gettempdir()}/drpo-vllm-weights-*")
