@@ -362,11 +362,16 @@ class Controller:
         }
         write_durable(tmp / CONFIG_FILE, dump(self.cfg))  # what --resume checks a changed config against
         write_durable(tmp / STATE_FILE, json.dumps(state))  # last: a folder with it is complete
-        replaced = final.with_name(f".old-{final.name}")
-        if final.exists():  # this step again (a resumed run's last step): the old copy goes only once the new one is in
+        replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
+        if final.exists():  # this step written again: the old copy goes only once the new one is in place
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if replaced.exists() and not final.exists():
+                os.replace(replaced, final)
+            raise
         fsync_folder(root)
         shutil.rmtree(replaced, ignore_errors=True)
         self.checkpointed = self.step
@@ -398,6 +403,22 @@ class Controller:
         self.eval_history, self.eval_rounds = list(state["eval_history"]), int(state["eval_rounds"])
         self.checkpointed = self.step
         self.backend.load(str(folder), self.version)
+
+
+REPLACED_PREFIX = ".old-"
+"""A checkpoint of the same step being replaced waits under this name until the new one is in place."""
+
+
+def recover_replaced(run_dir: str | Path) -> None:
+    """A driver that died between moving a step's old checkpoint away and renaming the new one in:
+    the old copy takes its place again (or goes, if the new one made it)."""
+    for old in (Path(run_dir) / "checkpoints").glob(f"{REPLACED_PREFIX}step-*"):
+        final = old.with_name(old.name.removeprefix(REPLACED_PREFIX))
+        if (final / STATE_FILE).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(old, final)
 
 
 def checkpoint_folder(run_dir: str | Path, step: int) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from controller.config import RunConfig, dotted, dump
-from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints
+from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints, recover_replaced
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_durable, write_storage_marker
 
 RUN_FILE = "run.json"
@@ -150,8 +150,11 @@ class RunLock:
                 print(f"drpo train: another driver took over the lock of run folder {self.path.parent} "
                       f"({describe_holder(self._read())}): this driver's heartbeat had stopped", file=sys.stderr)
                 return
-            tmp.write_text(json.dumps(self._record()))
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text(json.dumps(self._record()))
+                os.replace(tmp, self.path)
+            except OSError as err:  # a full disk or a storage hiccup: the next beat tries again
+                print(f"drpo train: could not refresh the lock of {self.path.parent}: {err}", file=sys.stderr)
 
     def release(self) -> None:
         self._stop.set()
@@ -216,6 +219,7 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
     if run_dir.exists() and not run_dir.is_dir():
         raise RunFolderError(f"run_dir {run_dir} is a file, not a folder")
     settle_aside(run_dir)  # an overwrite that never reached its first checkpoint: the old run comes back
+    recover_replaced(run_dir)
     if resume:
         return _prepare_resume(cfg, run_dir)
     held = occupant(run_dir)

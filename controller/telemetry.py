@@ -173,7 +173,7 @@ class Telemetry:
         record = {"kind": "worker", "time": self.clock(), "event": event, "worker": worker, "version": version}
         if reason:
             record["reason"] = reason
-            print(f"drpo train: rollout worker {worker} lost: {reason}; it restarts", file=sys.stderr, flush=True)
+            print(f"drpo train: rollout worker {worker} lost: {reason}; restarting it", file=sys.stderr, flush=True)
         self._write(record)
         self.worker_events[event] = self.worker_events.get(event, 0) + 1
 

@@ -66,6 +66,15 @@ CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 
 
+def _use_node_address() -> None:
+    """vLLM's process group on the Ray node's own address (VLLM_HOST_IP; a value set is kept):
+    without it vLLM finds an address by routing a UDP socket to 8.8.8.8 and 2001:4860:4860::8888."""
+    import ray
+
+    if not os.environ.get("VLLM_HOST_IP") and ray.is_initialized():
+        os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
+
+
 def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """vLLM's CPU unquantized MoE expert layers of ``model`` (none in a CUDA build or a dense model)."""
     import sys
@@ -210,6 +219,8 @@ class VLLMEngine(Engine):
         (``enable_return_routed_experts``; its V2 model runner, which needs Triton: GPU only).
         ``llm_kwargs``: more vLLM engine arguments."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        _use_node_address()
         on_gpu = torch.cuda.is_available()
         if record_routing and not on_gpu:
             raise ValueError(

@@ -267,3 +267,52 @@ def test_a_truncated_checkpoint_state_is_named_at_resume(tmp_path, capsys):
     assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint state {state} is truncated or corrupt" in err and "step-000002 out of checkpoints/" in err
+
+
+def test_a_checkpoint_of_the_same_step_replaces_the_old_one_only_once_it_is_complete(tmp_path, monkeypatch, capsys):
+    import controller.loop as loop
+    from controller.loop import Controller, checkpoint_folder
+
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    final = checkpoint_folder(run_dir, 2)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    ctl = Controller.__new__(Controller)  # only what checkpoint() touches
+    from controller.config import load_config as _load
+
+    ctl.cfg = _load(run_dir / "config.yaml", [])
+    ctl.step = 2
+
+    class Failing(Exception):
+        pass
+
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst) == final and Path(src).name.startswith(".tmp-"):
+            raise Failing("the rename of the new checkpoint failed")
+        return real(src, dst)
+
+    class Backend:
+        def save(self, folder):
+            (Path(folder) / "learner-rank00000.pt").write_bytes(b"new")
+
+    ctl.backend = Backend()
+    ctl.sampler = ctl.ledger = ctl.staleness = None
+    monkeypatch.setattr(Controller, "_start_bound", lambda self, f: 0)
+    monkeypatch.setattr(loop.os, "replace", replace)
+    ctl.in_flight, ctl.buffer, ctl.eval_history, ctl.eval_rounds, ctl.version = {}, [], [], 0, 2
+
+    class State:
+        def state_dict(self, *a, **k):
+            return {}
+
+    ctl.sampler = ctl.ledger = ctl.staleness = State()
+    with pytest.raises(Failing):
+        ctl.checkpoint()
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before  # the old step-2 is whole
+    monkeypatch.setattr(loop.os, "replace", real)
+    # a driver killed between the two renames: the next start puts the old copy back
+    os.replace(final, final.with_name(".old-" + final.name))
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+    assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1, 2, 3]
