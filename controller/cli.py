@@ -202,6 +202,7 @@ def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from controller.config import ConfigError, load_config
+    from controller.backend import DeadlineExceeded
     from controller.network import NetworkError, prepare
     from learner.checkpoint import CheckpointError
 
@@ -230,7 +231,7 @@ def _eval(args: argparse.Namespace) -> int:
         else:
             result = evaluate_folder(cfg, target)
             out = Path(args.out) if args.out else Path(f"eval-{target.resolve().name}-{result.tag()}.json")
-    except (CheckpointError, ConfigError, ValueError, FileExistsError, FileNotFoundError, NetworkError) as err:
+    except (CheckpointError, ConfigError, ValueError, FileExistsError, FileNotFoundError, NetworkError, DeadlineExceeded) as err:
         print(f"drpo eval: {err}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -342,8 +342,8 @@ class DeadlinesConfig(_Config):
         1800.0, gt=0.0, description="Engines and learner ranks loading their model at start (a run that is not up by then stops).",
     )
     engine_call_seconds: float = Field(
-        1800.0, gt=0.0, description="One engine call (a batch of prompts generated together) on a rollout worker; past it the "
-        "engine is hung: the worker is killed and restarted.",
+        900.0, gt=0.0, description="One engine call (a batch of prompts generated together) on a rollout worker; past it the "
+        "engine is hung: the worker is killed and restarted. Scoring is not counted. Below train.stall_fail_seconds.",
     )
     weight_load_seconds: float = Field(
         600.0, gt=0.0, description="A rollout worker acknowledging an object-store publication (learner.weight_sync_timeout_s "
@@ -412,6 +412,14 @@ class RunConfig(_Config):
             raise ValueError(
                 "learner.routing_replay needs the engine's routing; rollout.engine='sglang' does not record it "
                 "(hf does; vllm does on GPU, through its V2 model runner)"
+            )
+        stall = self.train.stall_fail_seconds
+        late = {k: v for k, v in (("engine_call_seconds", self.deadlines.engine_call_seconds),
+                                  ("weight_load_seconds", self.deadlines.weight_load_seconds)) if stall and v >= stall}
+        if late:
+            raise ValueError(
+                f"deadlines {', '.join(f'{k}={v:g}' for k, v in late.items())} must be below train.stall_fail_seconds={stall:g}: a hung "
+                "engine's worker is restarted at its deadline, and the run would fail as stalled first"
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")

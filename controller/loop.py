@@ -348,6 +348,9 @@ class Controller:
         Buffered and in-flight groups are not saved: their prompts are re-queued (drawn first on
         resume), since none was trained on. Admission counters are saved as trained-only, so a
         resumed run admits exactly what a run at this step boundary would (no burst)."""
+        from controller.run_folder import check_held, discard_aside
+
+        check_held(self.cfg.run_dir)  # never write over another driver's run
         root = Path(self.cfg.run_dir) / "checkpoints"
         final = checkpoint_folder(self.cfg.run_dir, self.step)
         tmp = root / f".tmp-{final.name}"
@@ -378,8 +381,6 @@ class Controller:
         older = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)  # the one just written always stays
         for old in older[: max(0, len(older) - (self.cfg.checkpoint.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
-        from controller.run_folder import discard_aside
-
         discard_aside(self.cfg.run_dir)  # an --overwrite's old run goes once this run has a checkpoint
         self.telemetry.checkpoint(final)
         return final

@@ -59,7 +59,7 @@ def prepare(address: str | None = None) -> bool:
     (RAY_AUTH_TOKEN, never written to disk; a token the user gave is kept). Ray reads these when it
     is imported: call this first. Returns whether the run is local."""
     quiet()
-    local = not (address or os.environ.get("RAY_ADDRESS"))
+    local = (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
     if local:
         for key, value in LOCAL_ENV.items():
             os.environ.setdefault(key, value)

@@ -9,6 +9,7 @@ steps, and the backend learns which version a worker serves when its ``update_we
 
 from __future__ import annotations
 
+import sys
 import time
 
 import ray
@@ -123,13 +124,17 @@ class RayBackend(Backend):
             for i in range(ro.workers)
         ]
         began = time.monotonic()
-        if self.learner is not None:
-            self._learner_call(self.learner.ready, self.deadlines.startup_seconds)
         try:
+            if self.learner is not None:
+                self._learner_call(self.learner.ready, self.deadlines.startup_seconds)
             beats = self._started_up([a.heartbeat.remote() for a in self.actors], began)  # every engine is up
         except DeadlineExceeded:
             self.shutdown()  # nothing of this run stays placed on the cluster
             raise
+        self._life = {w: b["life"] for w, b in enumerate(beats)}
+        """Each worker's process id as its heartbeat reports it (rollout.worker.RolloutWorker.life)."""
+        self._dead_life: dict[int, str | None] = {}
+        """Workers the backend killed: the life of the killed process, whose answers are not a restart's."""
         self._sync = None
         if self.learner is not None and cfg.learner.weight_sync == "broadcast":
             self._sync = BroadcastSync(self.learner, self.actors, cfg.learner.weight_sync_timeout_s)
@@ -180,18 +185,36 @@ class RayBackend(Backend):
         if worker in self._down:
             return
         ray.kill(self.actors[worker], no_restart=False)
+        self._dead_life[worker] = self._life.get(worker)
         self._why[worker] = reason
         self._lose(worker)
         if self._sync is not None:
             self._sync.invalidate()
 
     def _enforce_deadlines(self) -> None:
-        """Restart every live worker with an engine call or a weight load past its deadline."""
+        """Restart every live worker with an engine call or a weight load past its deadline. A
+        submission started longer ago than the engine-call deadline is only a suspicion (the worker
+        may be scoring, or its groups wait unread): the worker's heartbeat says how long its engine
+        call has run, and only that is held to the deadline."""
         now = time.monotonic()
+        limit = self.deadlines.engine_call_seconds
         for worker, calls in self._calls.items():
-            if calls and worker not in self._down and now - min(calls.values()) > self.deadlines.engine_call_seconds:
-                self.restart(worker, f"its engine call (started {now - min(calls.values()):.0f} s ago, {len(calls)} prompts) ran past "
-                             f"deadlines.engine_call_seconds={self.deadlines.engine_call_seconds:g} s: the engine is hung")
+            if not calls or worker in self._down or now - min(calls.values()) <= limit:
+                continue
+            try:
+                beat = ray.get(self.actors[worker].heartbeat.remote(), timeout=self.deadlines.control_seconds)
+            except RayActorError:
+                continue  # dead: its poll reports it
+            except ray.exceptions.GetTimeoutError:
+                self.restart(worker, f"its heartbeat did not answer within deadlines.control_seconds={self.deadlines.control_seconds:g} s "
+                             f"while its engine call had run {now - min(calls.values()):.0f} s: the worker is hung")
+                continue
+            running = beat.get("engine_call_seconds")
+            if running is not None and running > limit:
+                self.restart(worker, f"its engine call (running {running:.0f} s, {len(calls)} prompts) ran past "
+                             f"deadlines.engine_call_seconds={limit:g} s: the engine is hung")
+            else:  # not in a long engine call now: measure from now on
+                self._calls[worker] = {t: now - (running or 0.0) for t in calls}
         for ref, sent in list(self._ack_sent.items()):
             if ref in self._acks and now - sent > self.deadlines.weight_load_seconds:
                 worker = self._acks.pop(ref)
@@ -222,7 +245,6 @@ class RayBackend(Backend):
         self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
 
     def wait(self) -> Events:
-        self._enforce_deadlines()
         self._probe_down_workers()
         revived, self._revived = self._revived, []
         lost, self._lost = self._lost, []
@@ -251,6 +273,7 @@ class RayBackend(Backend):
             self._collects[self.actors[worker].poll.remote(COLLECT_POLL_SECONDS)] = worker
         for ref in [r for r in self._probes if r in ready]:
             self._revive(self._probes.pop(ref), ref, events)
+        self._enforce_deadlines()  # after what is ready was read: finished work is never taken for a hang
         if not (self._train and all(r in ready for r in self._train)):
             return events
         per_rank, self._train = check_host(self._learner_call(ray.get, self._train), "train"), None
@@ -272,9 +295,11 @@ class RayBackend(Backend):
     def _revive(self, worker: int, probe, events: Events) -> None:
         """A restarted worker loads the newest publication before it is given work again."""
         try:
-            ray.get(probe)
-            # a worker that only looked dead still holds re-queued work
-            ray.get(self.actors[worker].reset.remote(), timeout=self.deadlines.control_seconds)
+            beat = ray.get(probe)
+            if beat.get("life") is not None and beat.get("life") == self._dead_life.get(worker):
+                return  # answered by the process the backend killed, not yet gone: probed again
+            # a worker that only looked dead still holds re-queued work; a restarted one may still be loading its engine
+            ray.get(self.actors[worker].reset.remote(), timeout=self.deadlines.startup_seconds)
             if self._sync is not None and self._version > 0:
                 # it joins the group when the next publication forms it again, and takes work once
                 # that publication reached it (the learner may already be past the current version)
@@ -296,10 +321,14 @@ class RayBackend(Backend):
         except RayActorError:
             return  # still restarting; probed again on the next wait
         except ray.exceptions.GetTimeoutError:
-            self._down.discard(worker)  # restart() acts on live workers only
-            self.restart(worker, "after its restart, reset or loading the newest publication ran past its deadline "
-                         "(deadlines.control_seconds / weight_load_seconds)")
+            # still down (already reported lost): killed again, it comes back through another restart
+            ray.kill(self.actors[worker], no_restart=False)
+            self._dead_life[worker] = beat.get("life")
+            print(f"drpo train: rollout worker {worker} did not take the newest publication after its restart within "
+                  f"deadlines.startup_seconds / weight_load_seconds; restarting it again", file=sys.stderr, flush=True)
             return
+        self._life[worker] = beat.get("life")
+        self._dead_life.pop(worker, None)
         self._back(worker)
         events.revived.append(worker)
 

@@ -73,6 +73,8 @@ class RunLock:
     over with a message. ``release`` removes the lock if it is still this driver's."""
 
     def __init__(self, run_dir: str | Path, stale_after: float = LOCK_STALE_SECONDS, heartbeat: float = LOCK_HEARTBEAT_SECONDS):
+        """Cross-host staleness compares the holder's heartbeat with this host's clock: keep the
+        hosts' clocks in step (NTP) well within ``stale_after``."""
         self.path = Path(run_dir) / LOCK_FILE
         self.stale_after, self.interval = stale_after, heartbeat
         self.token = uuid.uuid4().hex
@@ -87,6 +89,8 @@ class RunLock:
                 "command": " ".join(sys.argv)[:300]}
 
     def acquire(self) -> None:
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise RunFolderError(f"run_dir {self.path.parent} is a file, not a folder")
         self._created = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
@@ -104,6 +108,17 @@ class RunLock:
                 try:
                     os.rename(self.path, aside)  # exactly one taker wins the rename
                 except FileNotFoundError:
+                    continue
+                try:
+                    moved = json.loads(aside.read_text())
+                except (OSError, ValueError):
+                    moved = {}
+                if moved.get("token") != holder.get("token"):  # another driver's fresh lock, made after we read the stale one
+                    try:
+                        os.link(aside, self.path)  # put it back unless yet another lock is there now
+                    except OSError:
+                        pass
+                    aside.unlink(missing_ok=True)
                     continue
                 aside.unlink(missing_ok=True)
                 print(f"drpo train: took over the lock of run folder {self.path.parent} from a driver that is gone "
@@ -191,6 +206,17 @@ def _process_start(pid: int | None = None) -> float | None:
 _held: dict[Path, RunLock] = {}
 
 
+def check_held(run_dir: str | Path) -> None:
+    """Before writing a checkpoint: refuse if another driver took this process's lock over (its
+    heartbeat had stopped long enough to look dead); two drivers would overwrite each other."""
+    lock = _held.get(Path(run_dir).resolve())
+    if lock is not None and lock.lost:
+        raise RunFolderError(
+            f"another drpo driver took over run folder {lock.path.parent} while this one was not heartbeating; this driver "
+            "stops without writing (resume from that driver's checkpoints once it ends)"
+        )
+
+
 @contextmanager
 def holding(run_dir: str | Path):
     """Hold ``run_dir``'s RunLock inside (re-entrant in one process: the CLI takes it before Ray
@@ -254,10 +280,12 @@ def owned(run_dir: Path) -> list[Path]:
 
 
 def set_aside(run_dir: Path) -> None:
-    """``--overwrite``: rename what the old run wrote (``owned``) beside itself, under ASIDE_PREFIX,
-    listed in ASIDE_FILE; ``discard_aside`` deletes it at the new run's first checkpoint and
-    ``settle_aside`` renames it back if the new run ends without one. Refuses a folder whose drpo-like
-    files are not a drpo run's (no run.json)."""
+    """``--overwrite``: rename what the old run wrote (``owned``) beside itself, under ASIDE_PREFIX;
+    ``discard_aside`` deletes it at the new run's first checkpoint and ``settle_aside`` renames it
+    back if the new run ends without one. ASIDE_FILE lists the renames, written before the first
+    one ("moving") and marked done after the last ("aside"), so a crash in between is undone by
+    renaming back, never by deleting. Refuses a folder whose drpo-like files are not a drpo run's
+    (no run.json)."""
     paths = owned(run_dir)
     if not paths:
         return
@@ -267,40 +295,70 @@ def set_aside(run_dir: Path) -> None:
             f"--overwrite: {run_dir} holds files drpo would replace ({names}) but no {RUN_FILE}: it is not a drpo run folder, and "
             "--overwrite replaces only a drpo run. Give this run a folder of its own (--set run_dir=...), or move those files yourself"
         )
-    moved = []
-    for path in paths:
-        target = path.with_name(ASIDE_PREFIX + path.name)
-        os.rename(path, target)  # beside itself: the same filesystem, even below a mount point
-        moved.append([str(path.relative_to(run_dir)), str(target.relative_to(run_dir))])
-        write_durable(run_dir / ASIDE_FILE, json.dumps(moved))
+    # beside itself: the same filesystem, even below a mount point
+    plan = [[str(p.relative_to(run_dir)), str(p.with_name(ASIDE_PREFIX + p.name).relative_to(run_dir))] for p in paths]
+    write_durable(run_dir / ASIDE_FILE, json.dumps({"phase": "moving", "moved": plan}))
+    for original, aside in plan:
+        try:
+            os.rename(run_dir / original, run_dir / aside)
+        except OSError as err:  # the start's cleanup (settle_aside) renames back what moved; nothing is deleted
+            raise RunFolderError(f"--overwrite: could not set {run_dir / original} of the old run aside ({err}); the old run stays as it was") from None
+    write_durable(run_dir / ASIDE_FILE, json.dumps({"phase": "aside", "moved": plan}))
+
+
+def _aside_plan(run_dir: Path) -> tuple[str, list] | None:
+    listed = run_dir / ASIDE_FILE
+    if not listed.is_file():
+        return None
+    record = json.loads(listed.read_text())
+    return record["phase"], record["moved"]
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
 
 
 def discard_aside(run_dir: str | Path) -> None:
-    """The new run has its first checkpoint: delete the old run set aside (a symlink: the link only)."""
-    listed = Path(run_dir) / ASIDE_FILE
-    if not listed.is_file():
+    """The new run has its first checkpoint: delete the old run set aside (a symlink: the link only).
+    Best effort: what cannot be deleted is named and stays listed for the next start to retry."""
+    run_dir = Path(run_dir)
+    plan = _aside_plan(run_dir)
+    if plan is None:
         return
-    for _, moved in json.loads(listed.read_text()):
-        _remove(Path(run_dir) / moved)
-    listed.unlink()
+    left = []
+    for original, aside in plan[1]:
+        try:
+            if _exists(run_dir / aside):
+                _remove(run_dir / aside)
+        except OSError as err:
+            left.append([original, aside])
+            print(f"drpo train: could not delete {run_dir / aside} of the overwritten run ({err}); the next start tries again",
+                  file=sys.stderr)
+    if left:
+        write_durable(run_dir / ASIDE_FILE, json.dumps({"phase": "discarding", "moved": left}))
+    else:
+        (run_dir / ASIDE_FILE).unlink()
 
 
 def settle_aside(run_dir: Path) -> None:
-    """An overwrite left an old run aside: delete it if the new run checkpointed, else put it back
-    (removing what the new run wrote first) so the old run is whole and resumable again."""
-    listed = run_dir / ASIDE_FILE
-    if not listed.is_file():
+    """An overwrite left an old run aside. Interrupted while setting it aside: rename back what was
+    moved, delete nothing. Set aside, and the new run checkpointed (or it was being discarded):
+    delete it. Set aside and the new run did not checkpoint: remove what the new run wrote and
+    rename the old run back, so it is whole and resumable again."""
+    plan = _aside_plan(run_dir)
+    if plan is None:
         return
-    if complete_checkpoints(run_dir):
+    phase, moved = plan
+    if phase == "discarding" or (phase == "aside" and complete_checkpoints(run_dir)):
         discard_aside(run_dir)
         return
-    moved = json.loads(listed.read_text())
-    for path in owned(run_dir):
-        _remove(path)
+    if phase == "aside":
+        for path in owned(run_dir):  # the new run's files (the old run's are all aside)
+            _remove(path)
     for original, aside in moved:
-        if (run_dir / aside).exists() or (run_dir / aside).is_symlink():
+        if _exists(run_dir / aside) and not _exists(run_dir / original):
             os.rename(run_dir / aside, run_dir / original)
-    listed.unlink()
+    (run_dir / ASIDE_FILE).unlink()
     print(f"drpo train: {run_dir}: the run an --overwrite had set aside is back (the new run ended before its first checkpoint)", file=sys.stderr)
 
 

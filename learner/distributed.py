@@ -88,14 +88,25 @@ def rendezvous(host: str, port: int, world_size: int, rank: int, timeout: timede
 
 
 def bind_gloo_to(host: str) -> None:
-    """Make gloo's pairs listen on the interface that holds ``host`` (GLOO_SOCKET_IFNAME; one the user
-    set is kept). Without it gloo binds whatever the machine's hostname resolves to."""
+    """Make gloo's pairs listen on this node's interface toward ``host`` (the group's rendezvous
+    address: on rank 0's node, the interface holding it; on another node, the one its route leaves
+    by) through GLOO_SOCKET_IFNAME (a value the user set is kept). Without it gloo binds whatever the
+    machine's hostname resolves to."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     import psutil
 
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == host for a in addrs):
+    interfaces = psutil.net_if_addrs()
+    local = host
+    if not any(a.address.split("%")[0] == host for addrs in interfaces.values() for a in addrs):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))  # UDP: picks the route, sends nothing
+                local = probe.getsockname()[0]
+        except OSError:
+            return
+    for name, addrs in interfaces.items():
+        if any(a.address.split("%")[0] == local for a in addrs):
             os.environ["GLOO_SOCKET_IFNAME"] = name
             return
 

@@ -108,10 +108,14 @@ def _exponents(answer: str) -> list[str]:
     return out
 
 
+_NUMERIC_TOWER_RE = re.compile(r"[\d\s{}^+\-.,()]*\^[\d\s{}^+\-.,()]*")
+
+
 def is_too_large(answer: str) -> bool:
-    """A power tower or a power with an exponent above MAX_EXPONENT (``10^{10^{10}}``, ``2^{100000}``)."""
+    """A numeric power tower or a power with an exponent above MAX_EXPONENT (``10^{10^{10}}``,
+    ``2^{100000}``); symbolic exponents (``e^{-x^2}``) are left to math-verify."""
     for exponent in _exponents(answer):
-        if "^" in exponent:
+        if "^" in exponent and _NUMERIC_TOWER_RE.fullmatch(exponent.strip()):
             return True
         digits = exponent.strip().lstrip("-").replace(",", "")
         if digits.isdigit() and int(digits) > MAX_EXPONENT:

@@ -133,6 +133,8 @@ def _bound_this_process(memory_bytes: int) -> None:
 
 def _verify_loop(conn, memory_bytes: int = VERIFY_MEMORY_BYTES) -> None:
     """Worker process: math-verify (gold, answer) pairs until the pipe closes."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # one thread: no per-core buffers under the cap
+        os.environ[var] = "1"
     _bound_this_process(memory_bytes)
     from math_verify import parse, verify
 

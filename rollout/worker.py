@@ -166,6 +166,10 @@ class RolloutWorker:
         self._in_flight = 0
         self._receives = 0
         self._engine_calls = self._weight_loads = 0
+        self._engine_call_began: float | None = None
+        """When the engine call running now began (time.monotonic), or None between calls."""
+        self.life = os.urandom(8).hex()
+        """This process's own id: a heartbeat from a process the backend killed is not taken for its restart."""
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
@@ -256,10 +260,11 @@ class RolloutWorker:
                 "node_id": node,
                 "alive": self._thread.is_alive(), "version": self.engine.version, "queue_depth": self._inbox.qsize(),
                 "in_flight": self._in_flight, "groups": self._stats.groups, "tokens": self._stats.tokens,
-                "failures": self._stats.failures, "last_step_time": self._stats.last_step,
+                "failures": self._stats.failures, "last_step_time": self._stats.last_step, "life": self.life,
+                "engine_call_seconds": None if self._engine_call_began is None else time.monotonic() - self._engine_call_began,
             }
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop taking work, let the engine call in flight end (up to ``timeout_s``), then close the
         engine (its processes and staging folders) and the reward's verifier."""
         self._inbox.close()
@@ -340,14 +345,17 @@ class RolloutWorker:
             _, _, n = batch[next(iter(prompts))]
             params = self._params([batch[i][0] for i in prompts], n)
             self._engine_calls += 1
-            self._hang_by_chaos("hang_generate", self._engine_calls)
+            self._engine_call_began = time.monotonic()
             try:
+                self._hang_by_chaos("hang_generate", self._engine_calls)
                 results = self.engine.generate(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why
+                self._engine_call_began = None
                 seconds = time.perf_counter() - started
                 for i in prompts:
                     out[i] = Group(batch[i][0], self.worker_id, (), version, seconds, error=f"{type(err).__name__}: {err}")
             else:
+                self._engine_call_began = None  # scoring is not the engine's time
                 seconds = (time.perf_counter() - started) / len(prompts)
                 for i, completions in zip(prompts, results):
                     out[i] = self._score_group(batch[i][0], batch[i][1], completions, version, seconds, params.topk_logprobs)

@@ -153,7 +153,7 @@ def test_corrupt_or_foreign_checkpoints_are_rejected_by_name_and_left_alone(ray_
     state_file = rank_file.parent / "controller.json"
     rank_file.write_bytes(original)
     state_file.write_text("{truncated")
-    with pytest.raises(ValueError, match="controller.json"):
+    with pytest.raises(CheckpointError, match="controller.json is truncated or corrupt"):  # the CLI: exit 2, named
         train(with_train(cfg, steps=3), resume=True)
 
 

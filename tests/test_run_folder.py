@@ -316,3 +316,51 @@ def test_a_checkpoint_of_the_same_step_replaces_the_old_one_only_once_it_is_comp
     os.replace(final, final.with_name(".old-" + final.name))
     assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
     assert [r["step"] for r in lines(run_dir) if r["kind"] == "step"] == [1, 2, 3]
+
+
+def test_an_overwrite_that_cannot_set_the_old_run_aside_puts_back_what_it_moved_and_deletes_nothing(tmp_path, monkeypatch, capsys):
+    import controller.run_folder as run_folder
+
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "step-000002-t1-n1.json").write_text("{}")
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    real, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(src)
+        if len(calls) == 3:
+            raise PermissionError(13, "Permission denied", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(run_folder.os, "rename", rename)
+    capsys.readouterr()
+    assert drpo_train(run_dir, "--set", "train.steps=1", "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "could not set" in err and "the old run stays as it was" in err
+    monkeypatch.setattr(run_folder.os, "rename", real)
+    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0
+
+
+def test_a_driver_whose_lock_was_taken_over_writes_no_checkpoint(tmp_path):
+    from controller.run_folder import LOCK_FILE, RunLock, _held, check_held
+
+    run_dir = tmp_path / "run"
+    lock = RunLock(run_dir, heartbeat=0.1)
+    lock.acquire()
+    _held[run_dir.resolve()] = lock
+    try:
+        check_held(run_dir)  # held: fine
+        record = json.loads((run_dir / LOCK_FILE).read_text())
+        (run_dir / LOCK_FILE).write_text(json.dumps({**record, "token": "another-driver"}))  # taken over while we slept
+        threading.Event().wait(0.5)
+        assert lock.lost
+        with pytest.raises(RunFolderError, match="another drpo driver took over"):
+            check_held(run_dir)
+    finally:
+        del _held[run_dir.resolve()]
+        lock.release()
+    assert json.loads((run_dir / LOCK_FILE).read_text())["token"] == "another-driver"  # release leaves the other driver's lock

@@ -90,4 +90,4 @@ def staging_folders() -> set[str]:
     import glob
     import tempfile
 
-    return set(glob.glob("/dev/shm/drpo-vllm-weights-*")) | set(glob.glob(f"{tempfile.gettempdir()}/drpo-vllm-weights-*")
+    return set(glob.glob("/dev/shm/drpo-vllm-weights-*")) | set(glob.glob(f"{tempfile.gettempdir()}/drpo-vllm-weights-*"))
