@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. --set train.steps=5")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     tr.add_argument("--simulate", action="store_true", help="sampled durations instead of models (scheduling only)")
-    tr.add_argument("--overwrite", action="store_true", help="start a new run in a folder that holds another: delete its metrics and checkpoints first")
+    tr.add_argument("--overwrite", action="store_true", help="start a new run in a folder that holds another drpo run: the old run is set aside, deleted at the new run's first checkpoint (and back if the new run ends before it)")
     tr.set_defaults(fn=_train)
     ex = sub.add_parser("export", help="write a run checkpoint as a Hugging Face model folder (transformers, vLLM)")
     ex.add_argument("run_dir", metavar="RUN_DIR")

@@ -418,8 +418,9 @@ class RunConfig(_Config):
                                   ("weight_load_seconds", self.deadlines.weight_load_seconds)) if stall and v >= stall}
         if late:
             raise ValueError(
-                f"deadlines {', '.join(f'{k}={v:g}' for k, v in late.items())} must be below train.stall_fail_seconds={stall:g}: a hung "
-                "engine's worker is restarted at its deadline, and the run would fail as stalled first"
+                f"deadlines.{', deadlines.'.join(f'{k}={v:g}' for k, v in late.items())} must be below train.stall_fail_seconds={stall:g}: "
+                "a worker past that deadline is restarted, and the run would fail as stalled before it; lower the deadline or raise "
+                "train.stall_fail_seconds (0: no stall limit)"
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")

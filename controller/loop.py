@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,7 +379,7 @@ class Controller:
         fsync_folder(root)
         shutil.rmtree(replaced, ignore_errors=True)
         self.checkpointed = self.step
-        older = sorted(p for p in root.glob("step-*") if p.is_dir() and p != final)  # the one just written always stays
+        older = [p for p in checkpoint_folders(self.cfg.run_dir) if p != final]  # the one just written always stays
         for old in older[: max(0, len(older) - (self.cfg.checkpoint.keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         discard_aside(self.cfg.run_dir)  # an --overwrite's old run goes once this run has a checkpoint
@@ -406,6 +407,7 @@ class Controller:
         self.backend.load(str(folder), self.version)
 
 
+_STEP_RE = re.compile(r"step-\d+")
 REPLACED_PREFIX = ".old-"
 """A checkpoint of the same step being replaced waits under this name until the new one is in place."""
 
@@ -434,7 +436,14 @@ def checkpoint_step(folder: Path) -> int:
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Every complete checkpoint of a run folder, oldest step first."""
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if (p / STATE_FILE).is_file())
+    return [p for p in checkpoint_folders(run_dir) if (p / STATE_FILE).is_file()]
+
+
+def checkpoint_folders(run_dir: str | Path) -> list[Path]:
+    """Every ``checkpoints/step-N`` folder, complete or not, oldest step first; anything else there
+    (``step-000004.bad``, a user's own folder) is not a checkpoint."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir() and _STEP_RE.fullmatch(p.name)]
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

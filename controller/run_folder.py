@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from controller.config import RunConfig, dotted, dump
-from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_step, complete_checkpoints, recover_replaced
+from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_folders, checkpoint_step, complete_checkpoints, recover_replaced
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_durable, write_storage_marker
 
 RUN_FILE = "run.json"
@@ -102,8 +102,9 @@ class RunLock:
                 if why is None:
                     raise RunFolderError(f"run folder {self.path.parent} is in use by another drpo driver ({describe_holder(holder)}); "
                                          "two drivers would overwrite each other's checkpoints. Wait until it ends (after `ray job stop` "
-                                         f"it may still checkpoint for a few minutes), or give this run another folder. A lock whose "
-                                         f"driver is gone is taken over once its heartbeat is {self.stale_after:.0f} s old") from None
+                                         "it may still checkpoint for a few minutes) and start again; a lock whose driver is gone is "
+                                         f"taken over at once on the same host, and from another host once its heartbeat is "
+                                         f"{self.stale_after:.0f} s old") from None
                 aside = self.path.with_name(f"{LOCK_FILE}.stale-{self.token}")
                 try:
                     os.rename(self.path, aside)  # exactly one taker wins the rename
@@ -249,6 +250,13 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
     if resume:
         return _prepare_resume(cfg, run_dir)
     held = occupant(run_dir)
+    foreign = [p for p in owned(run_dir) if p.name != LOCK_FILE] if run_dir.is_dir() and not (run_dir / RUN_FILE).is_file() else []
+    if foreign and not overwrite:
+        names = ", ".join(str(p.relative_to(run_dir)) for p in foreign[:5])
+        raise RunFolderError(
+            f"run folder {run_dir} holds files a run would write ({names}) but no {RUN_FILE}: it is not a drpo run folder, and "
+            "a new run would replace them. Give this run a folder of its own (--set run_dir=...)"
+        )
     if held and not overwrite:
         raise RunFolderError(
             f"run folder {run_dir} already holds a run ({held}). Continue it with `drpo train --resume {run_dir}`, "
@@ -256,7 +264,14 @@ def prepare(cfg: RunConfig, resume: bool, overwrite: bool = False) -> Path | Non
             "(deletes what drpo wrote there: checkpoints, metrics, exports, eval results, logger files; nothing else)"
         )
     if overwrite:
+        links = [p for p in owned(run_dir) if p.is_symlink()]
         set_aside(run_dir)
+        if held:
+            print(f"drpo train: --overwrite: the run in {run_dir} ({held}) is set aside; it is deleted when this run writes its "
+                  "first checkpoint, and comes back if this run ends before that", file=sys.stderr)
+        for link in links:
+            print(f"drpo train: --overwrite: {link} was a symlink; the link is removed with the old run and its target is left "
+                  f"alone; this run writes {link.name}/ inside the run folder", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     _new_identity(run_dir)
     (run_dir / CONFIG_FILE).write_text(dump(cfg))
@@ -372,7 +387,7 @@ def _remove(path: Path) -> None:
 def occupant(run_dir: Path) -> str | None:
     """What of another run ``run_dir`` holds (checkpoints, metrics lines), or None."""
     parts = []
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    checkpoints = checkpoint_folders(run_dir)
     if checkpoints:
         parts.append(f"{len(checkpoints)} checkpoint(s), newest {checkpoints[-1].name}")
     metrics = run_dir / "metrics.jsonl"
@@ -389,7 +404,7 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
         raise RunFolderError(f"--resume: {run_dir} is not a drpo run folder (no {RUN_FILE} or {CONFIG_FILE})")
     done = complete_checkpoints(run_dir)
     checkpoint = done[-1] if done else None
-    if checkpoint is None and any((run_dir / "checkpoints").glob("step-*")):
+    if checkpoint is None and checkpoint_folders(run_dir):
         raise RunFolderError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (each step-N lacks {STATE_FILE})")
     saved = checkpoint / CONFIG_FILE if checkpoint is not None and (checkpoint / CONFIG_FILE).is_file() else run_dir / CONFIG_FILE
     if saved.is_file():

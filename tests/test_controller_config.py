@@ -152,7 +152,7 @@ def test_a_run_records_the_precision_it_resolved_never_auto(tmp_path):
 def test_a_deadline_at_or_past_the_stall_limit_is_refused_by_name():
     from controller.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"deadlines engine_call_seconds=1800 must be below train.stall_fail_seconds=1800"):
+    with pytest.raises(ConfigError, match=r"deadlines.engine_call_seconds=1800 must be below train.stall_fail_seconds=1800.*lower the deadline"):
         load_config(None, ["deadlines.engine_call_seconds=1800"])
     cfg = load_config(None, ["deadlines.engine_call_seconds=1800", "train.stall_fail_seconds=0"])  # no stall limit: any deadline
     assert cfg.deadlines.engine_call_seconds == 1800

@@ -166,3 +166,14 @@ def test_prometheus_and_grafana_provisioning_parse():
     assert ds["datasources"][0]["type"] == "prometheus"
     provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "drpo.yml").read_text())
     assert provider["providers"][0]["type"] == "file"
+
+
+def test_the_image_recipe_matches_the_rayjob():
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    recipe = (DEPLOY / "kuberay" / "Dockerfile").read_text()
+    (base,) = [line.split()[1] for line in recipe.splitlines() if line.startswith("FROM ")]
+    assert base.startswith(f"rayproject/ray:{job['spec']['rayClusterSpec']['rayVersion']}-")  # the cluster's Ray version
+    assert "WORKDIR /app" in recipe and all(f"COPY {pkg} {pkg}" in recipe for pkg in ("controller", "learner", "rollout", "objectives"))
+    for pod in _pods(job).values():
+        if pod is not job["spec"]["submitterPodTemplate"]:
+            assert pod["spec"]["containers"][0]["workingDir"] == "/app"

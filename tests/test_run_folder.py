@@ -364,3 +364,23 @@ def test_a_driver_whose_lock_was_taken_over_writes_no_checkpoint(tmp_path):
         del _held[run_dir.resolve()]
         lock.release()
     assert json.loads((run_dir / LOCK_FILE).read_text())["token"] == "another-driver"  # release leaves the other driver's lock
+
+
+def test_a_new_run_refuses_a_folder_of_the_users_own_files_named_like_a_runs(tmp_path, capsys):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("the user's own config\n")
+    assert drpo_train(folder, "--set", "train.steps=1") == 2  # no --overwrite: still not replaced
+    err = capsys.readouterr().err
+    assert "holds files a run would write (config.yaml) but no run.json" in err
+    assert (folder / "config.yaml").read_text() == "the user's own config\n" and sorted(p.name for p in folder.iterdir()) == ["config.yaml"]
+
+
+def test_a_folder_in_checkpoints_that_is_not_a_step_is_not_taken_for_a_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert drpo_train(run_dir, "--set", "train.steps=4", "--set", "checkpoint.every=2") == 0
+    newest = complete_checkpoints(run_dir)[-1]
+    os.replace(newest, newest.with_name(newest.name + ".bad"))  # a user moved a corrupt checkpoint aside in place
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step-000002"]
+    assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=5"]) == 0
+    assert (run_dir / "checkpoints" / "step-000004.bad").is_dir()  # left alone, retention included
