@@ -134,6 +134,10 @@ class ChaosConfig(_Config):
         None, ge=1, description="Worker 0's N-th engine call blocks forever, in its first life only: a hung engine "
         "(deadlines.engine_call_seconds kills and restarts the worker).",
     )
+    kill_engine: int | None = Field(
+        None, ge=1, description="Worker 0's engine dies at its N-th engine call, in its first life only (vLLM and SGLang: "
+        "their engine processes are killed; hf: the engine raises EngineDied): the worker is restarted with the engine's error.",
+    )
     hang_weight_load: int | None = Field(
         None, ge=1, description="Worker 0's N-th object-store weight load blocks forever, in its first life only: a hung "
         "engine during a publication (deadlines.weight_load_seconds kills and restarts the worker).",
@@ -244,6 +248,14 @@ class TrainConfig(_Config):
     )
     max_filtered_in_a_row: int = Field(
         2000, ge=1, description="Stop when this many groups in a row are filtered (all rewards equal): the task gives no signal."
+    )
+    max_failures_in_a_row: int = Field(
+        32, ge=1, description="Stop when this many rollout groups in a row fail (a broken engine or reward, not bad luck), "
+        "naming the first failure's cause.",
+    )
+    max_failing_seconds: float = Field(
+        30.0, gt=0.0, description="Stop when every rollout group has failed for this long (however few came back), naming "
+        "the first failure's cause.",
     )
     stall_report_seconds: float = Field(
         300.0, ge=0.0, description="When no training step or evaluation finishes for this long, report what the run waits "

@@ -35,8 +35,11 @@ from rollout.tasks import Problem
 
 STATE_FILE = "controller.json"
 CONFIG_FILE = "config.yaml"
-MAX_FAILURES_IN_A_ROW = 200
-"""Stop the run when this many groups fail back to back (a broken engine or reward, not bad luck)."""
+
+
+class RolloutsFailing(RuntimeError):
+    """Every rollout failed for ``train.max_failures_in_a_row`` groups or ``train.max_failing_seconds``;
+    the message names the first failure's cause (the root cause; later ones often follow from it)."""
 
 
 @dataclass
@@ -102,6 +105,9 @@ class Controller:
         self.eval_rounds = 0
         self.eval_history: list[dict] = []
         self.failures_in_a_row = self.filtered_in_a_row = 0
+        self.failing_since, self.first_in_streak = 0.0, ""
+        self.first_failures: dict[int, str] = {}
+        """Each worker's first failed group's error (reported once)."""
         self.eval_pending: dict[EvalTicket, int] = {}
         """Evaluation submissions without a result yet, and the worker each went to."""
         self.checkpointed = 0
@@ -193,7 +199,7 @@ class Controller:
             if g.error is not None:
                 self.staleness.on_rejected()
                 self.ledger.record(g.ticket, "failed", self.step, reason=g.error)
-                self._count_failure(g.error)
+                self._count_failure(g.worker, g.error)
                 continue
             self.failures_in_a_row = 0
             reason = self.builder.rejects(g)
@@ -211,10 +217,23 @@ class Controller:
                     "no learning signal at this accuracy (raise train.max_filtered_in_a_row or change the task)"
                 )
 
-    def _count_failure(self, error: str) -> None:
+    def _count_failure(self, worker: int, error: str) -> None:
+        """A failed group: its worker's first failure is reported (console and metrics.jsonl); a run
+        whose every group fails stops, with the first failure's text."""
+        if worker not in self.first_failures:
+            self.first_failures[worker] = error
+            self.telemetry.worker_error(worker, error)
+        if self.failures_in_a_row == 0:
+            self.failing_since, self.first_in_streak = self.backend.now(), error
         self.failures_in_a_row += 1
-        if self.failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
-            raise RuntimeError(f"{self.failures_in_a_row} rollouts failed in a row, the last with: {error}")
+        failing = self.backend.now() - self.failing_since
+        limits = self.cfg.train
+        if self.failures_in_a_row >= limits.max_failures_in_a_row or (self.failures_in_a_row > 1 and failing >= limits.max_failing_seconds):
+            raise RolloutsFailing(
+                f"every rollout failed: {self.failures_in_a_row} groups in a row over {failing:.0f} s (train.max_failures_in_a_row="
+                f"{limits.max_failures_in_a_row}, train.max_failing_seconds={limits.max_failing_seconds:g}). The first failed with: "
+                f"{self.first_in_streak}"
+            )
 
     # ---- training -----------------------------------------------------------------------------------
 

@@ -48,6 +48,12 @@ COLLECT_POLL_SECONDS = 2.0
 """How long one poll call may wait for news: bounds the latency of noticing a dead worker."""
 
 
+def _cause_text(err: "ray.exceptions.RayTaskError") -> str:
+    """The remote error's own text (not Ray's wrapping traceback)."""
+    cause = getattr(err, "cause", None)
+    return f"{type(cause).__name__}: {cause}" if cause is not None and type(cause).__name__ != "EngineDied" else str(cause or err)[:2000]
+
+
 def _role(resource: str | None) -> dict[str, float]:
     return {resource: ROLE_RESOURCE_SHARE} if resource else {}
 
@@ -264,6 +270,9 @@ class RayBackend(Backend):
                 if self._sync is not None:
                     self._sync.invalidate()
                 continue
+            except ray.exceptions.RayTaskError as err:  # the worker's engine died (rollout.engine.EngineDied): restart it
+                self.restart(worker, f"its engine died: {_cause_text(err)}")
+                continue
             now = time.monotonic()
             self._calls[worker].update({s.ticket: now for s in began})
             for g in finished:
@@ -433,6 +442,8 @@ class RayBackend(Backend):
                 self._serving[w] = max(self._serving[w], ray.get(ref))
             except RayActorError:
                 pass  # the worker died; its poll reports it
+            except ray.exceptions.RayTaskError as err:  # its engine could not load the publication: restarted, it loads it
+                self.restart(w, f"loading a publication failed: {_cause_text(err)}")
 
     def worker_version(self, worker: int) -> int:
         """The newest version ``worker`` acknowledged, as of the last ``wait`` (acks are waited on there)."""

@@ -177,6 +177,12 @@ class Telemetry:
         self._write(record)
         self.worker_events[event] = self.worker_events.get(event, 0) + 1
 
+    def worker_error(self, worker: int, error: str) -> None:
+        """A rollout worker's first failed group: its error, printed and written once per worker
+        (the ledger has every failure; this is where to look first)."""
+        print(f"drpo train: rollout worker {worker}: first failed group: {error}", file=sys.stderr, flush=True)
+        self._write({"kind": "worker_error", "time": self.clock(), "worker": worker, "error": error})
+
     def checkpoint(self, path: Path) -> None:
         self._write({"kind": "checkpoint", "time": self.clock(), "path": str(path)})
 

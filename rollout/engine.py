@@ -90,6 +90,10 @@ class Completion:
     input, its row is -1. None: a dense model, or an engine that does not report routing."""
 
 
+class EngineDied(RuntimeError):
+    """The engine cannot serve any more in this process (its engine process died, it crashed)."""
+
+
 def private_folder(prefix: str, parent: str | None = None) -> str:
     """A new folder ``{prefix}{pid}-XXXX`` (under ``parent``, default the temporary folder) that
     ``Engine.close`` removes. A process killed before it closed its engine (a restart after a hung
@@ -118,6 +122,39 @@ class Engine(ABC):
     def close(self) -> None:
         """Release what the engine holds outside this process's memory (engine processes, staging
         folders); the worker calls it on shutdown. This default holds nothing."""
+
+    def is_dead(self, error: BaseException) -> bool:
+        """Whether ``error`` (raised by ``generate`` or a weight load) means the engine cannot serve
+        again in this process, so the worker must be restarted, rather than one request failing:
+        EngineDied, or one of the engine's own processes (``_engine_processes``, recorded at start by
+        engines that run in other processes) is gone."""
+        if isinstance(error, EngineDied):
+            return True
+        return any(not p.is_running() or p.status() == "zombie" for p in getattr(self, "_engine_processes", ()))
+
+    def _record_engine_processes(self, marker: str) -> None:
+        """Remember this process's children whose command line holds ``marker`` (the engine's own
+        processes), for ``is_dead`` and ``kill_for_chaos``."""
+        import psutil
+
+        found = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if marker in " ".join(child.cmdline()) or marker in child.name():
+                    found.append(child)
+            except psutil.Error:
+                continue
+        self._engine_processes = found
+
+    def kill_for_chaos(self) -> None:
+        """chaos ``kill_engine``: make the engine die the way it really dies: its own processes are
+        killed; an engine inside the worker's process (no such processes) has its next call raise
+        EngineDied."""
+        processes = getattr(self, "_engine_processes", ())
+        for p in processes:
+            p.kill()
+        if not processes:
+            self._chaos_dead = True
 
     def chat_prompt(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat prompt with the generation prompt appended."""

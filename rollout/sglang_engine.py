@@ -110,6 +110,7 @@ class SGLangEngine(Engine):
         self.tokenizer = tokenizer
         self.engine = engine
         self._loop = EngineLoop("sglang-engine-loop")
+        self._record_engine_processes("sglang")  # its scheduler and detokenizer processes: one gone is a crashed engine
 
     @property
     def version(self) -> int:

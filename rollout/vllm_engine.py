@@ -248,6 +248,7 @@ class VLLMEngine(Engine):
         self._loop = EngineLoop("vllm-engine-loop")
         self.llm = self._run(self._start({**kwargs, **llm_kwargs}))
         self.tokenizer = self.llm.get_tokenizer()
+        self._record_engine_processes("EngineCore")  # vLLM's engine-core process (VLLM::EngineCore)
         if precision == "fp8" and not on_gpu:
             from learner.bridge import load_hf_state_dict
 
@@ -390,6 +391,12 @@ class VLLMEngine(Engine):
             return version
 
         return await self.served.swap(self._pause, load, self.llm.resume_generation)
+
+    def is_dead(self, error: BaseException) -> bool:
+        """Engine.is_dead, and vLLM's own word for it: EngineDeadError, or the engine marked errored."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(error, EngineDeadError) or bool(getattr(self.llm, "errored", False)) or super().is_dead(error)
 
     def close(self) -> None:
         """Stop vLLM's engine-core process and the loop, and remove the staging folders (call it

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine import Completion, SamplingParams, mix_seed
+from rollout.engine import Completion, EngineDied, SamplingParams, mix_seed
 from rollout.engines import make_engine
 from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
@@ -59,6 +59,16 @@ def completion_problem(c: Completion, topk: int) -> str | None:
         if tuple(c.topk_ids.shape) != (length, topk) or tuple(c.topk_logp.shape) != (length, topk):
             return f"engine returned top-K of shape {tuple(c.topk_ids.shape)}, expected ({length}, {topk})"
     return None
+
+
+def _cause(err: BaseException) -> str:
+    """An engine error for a person: its type and message, then the last frames of its traceback
+    (the engine's own text, which the driver would otherwise never see)."""
+    import traceback
+
+    frames = [f for f in traceback.format_exception(type(err), err, err.__traceback__)[:-1] if not f.startswith("Traceback")]
+    tail = " | ".join(" ".join(f.split()) for f in frames[-3:])
+    return f"{type(err).__name__}: {err}" + (f" (at: {tail})" if tail else "")
 
 
 def _restarted() -> bool:
@@ -168,6 +178,8 @@ class RolloutWorker:
         self._engine_calls = self._weight_loads = 0
         self._engine_call_began: float | None = None
         """When the engine call running now began (time.monotonic), or None between calls."""
+        self._dead: str | None = None
+        """Why the engine died (its error and the end of its traceback), once it has."""
         self.life = os.urandom(8).hex()
         """This process's own id: a heartbeat from a process the backend killed is not taken for its restart."""
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
@@ -192,9 +204,12 @@ class RolloutWorker:
         return [ticket for ticket, _, _ in self._inbox.drain()]
 
     def poll(self, timeout_s: float = 0.0) -> tuple[list[Group], list[Started]]:
-        """Finished groups and started submissions, waiting up to ``timeout_s`` for either."""
+        """Finished groups and started submissions, waiting up to ``timeout_s`` for either. Raises
+        EngineDied once the engine died (the backend then restarts this worker, with that text)."""
         deadline = time.time() + timeout_s
         while True:
+            if self._dead is not None:
+                raise EngineDied(self._dead)
             with self._lock:
                 if self._outbox or self._started or time.time() >= deadline:
                     out, started = self._outbox, self._started
@@ -222,9 +237,13 @@ class RolloutWorker:
         self.engine.update_weights(buckets)
         return buckets[-1].version
 
+    def _chaos_first_life(self, option: str, count: int) -> bool:
+        """Whether chaos ``option`` fires now: worker 0, in its first life, at its N-th call."""
+        return self.chaos.get(option) == count and self.worker_id == 0 and not _restarted()
+
     def _hang_by_chaos(self, option: str, count: int) -> None:
         """chaos hang_generate / hang_weight_load: worker 0, in its first life, blocks forever at the N-th call."""
-        if self.chaos.get(option) == count and self.worker_id == 0 and not _restarted():
+        if self._chaos_first_life(option, count):
             threading.Event().wait()
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
@@ -288,6 +307,8 @@ class RolloutWorker:
                 self._in_flight += len(batch)
                 self._started += [Started(ticket, self.worker_id, version) for ticket, _, _ in batch]
             groups = self._lose_by_chaos(self._generate(batch, version))
+            if self._dead is not None:
+                return  # nothing more runs here: poll reports the death, the backend restarts the worker
             with self._lock:
                 self._in_flight -= len(batch)
                 self._outbox.extend(groups)
@@ -348,9 +369,16 @@ class RolloutWorker:
             self._engine_call_began = time.monotonic()
             try:
                 self._hang_by_chaos("hang_generate", self._engine_calls)
+                if self._chaos_first_life("kill_engine", self._engine_calls):
+                    self.engine.kill_for_chaos()
+                if getattr(self.engine, "_chaos_dead", False):
+                    raise EngineDied("chaos: the engine died (kill_engine)")
                 results = self.engine.generate(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why
                 self._engine_call_began = None
+                if self.engine.is_dead(err):  # not this request's fault: the worker must restart
+                    self._dead = _cause(err)
+                    return []  # its groups are re-queued with the worker's work
                 seconds = time.perf_counter() - started
                 for i in prompts:
                     out[i] = Group(batch[i][0], self.worker_id, (), version, seconds, error=f"{type(err).__name__}: {err}")

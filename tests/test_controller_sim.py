@@ -143,9 +143,13 @@ def test_failed_groups_are_recorded_and_replaced(tmp_path):
 
 
 def test_a_run_whose_rollouts_always_fail_stops_with_the_reason(tmp_path):
+    from controller.loop import RolloutsFailing
+
     cfg = sim_config(tmp_path, workers=4, steps=10, sim={"failure_rate": 1.0})
-    with pytest.raises(RuntimeError, match="failed in a row, the last with: simulated engine failure"):
+    with pytest.raises(RolloutsFailing, match=r"every rollout failed: 32 groups in a row .* The first failed with: simulated engine failure"):
         train(cfg)
+    errors = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"worker_error"' in line]
+    assert sorted(e["worker"] for e in errors) == [0, 1, 2, 3] and all(e["error"] == "simulated engine failure" for e in errors)
 
 
 @pytest.mark.parametrize("seed", range(4))

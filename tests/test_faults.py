@@ -230,3 +230,45 @@ def test_a_hung_engine_is_killed_at_its_deadline_and_restarted_and_the_run_finis
     assert [e["event"] for e in events].count("back") == 1
     assert time.monotonic() - began < 240  # not hung: the deadline, a restart and four tiny steps
     exact(cfg)
+
+
+def test_a_run_whose_every_generation_fails_stops_within_the_bound_naming_the_first_cause(tiny_chat_model, tmp_path):
+    """Every prompt is over rollout.max_prompt_tokens: `drpo train` stops after the failure bound, and
+    its last line carries the first failure's own text (not the 200th repetition of a pointer)."""
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4)
+    data = cfg.model_dump(mode="json")
+    data["rollout"]["max_prompt_tokens"] = 1
+    data["eval"].update(every=0, at_start=False)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "controller.cli", "train", "--config", str(config)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "every rollout failed: 32 groups in a row" in last and "The first failed with: ValueError: prompt has" in last
+    assert "more than max_prompt_tokens=1" in last and "Traceback" not in done.stderr
+    assert "rollout worker 0: first failed group: ValueError: prompt has" in done.stderr
+    assert time.monotonic() - began < 300
+    (first,) = records(tmp_path / "run", "worker_error")
+    assert first["worker"] == 0 and "max_prompt_tokens=1" in first["error"]
+
+
+def test_an_engine_that_dies_restarts_its_worker_with_the_engines_error_and_the_run_finishes_exactly(ray_local, tiny_chat_model, tmp_path):
+    """chaos kill_engine: worker 0's engine dies at its 3rd call (the hf engine raises EngineDied; vLLM
+    and SGLang lose their engine process). The worker does not fail group after group: it is restarted
+    at once, its restart record holds the engine's own error, and nothing is lost or counted twice."""
+    cfg = run_config(tmp_path, tiny_chat_model, steps=4)
+    data = cfg.model_dump(mode="json")
+    data["rollout"].update(workers=1, chaos={"kill_engine": 3})
+    data["eval"].update(every=0)
+    cfg = RunConfig.model_validate(data)
+    result = train(cfg)
+    assert result.steps == 4
+    events = records(Path(cfg.run_dir), "worker")
+    (lost,) = [e for e in events if e["event"] == "lost"]
+    assert lost["reason"].startswith("its engine died: EngineDied: chaos: the engine died (kill_engine) (at: File "), lost
+    assert [e["event"] for e in events].count("back") == 1
+    state = exact(cfg)
+    assert not [e for e in state["ledger"] if e["outcome"] == "failed"]  # its groups were re-queued, not failed
