@@ -61,6 +61,10 @@ class LearnerLost(RuntimeError):
     """A learner rank died: the run cannot go on; resume it from its last checkpoint."""
 
 
+class WorkersGone(RuntimeError):
+    """Every rollout worker died and is out of restarts; the message names the last reason known."""
+
+
 class DeadlineExceeded(RuntimeError):
     """A call the run cannot go on without (start-up, a learner call) ran past its deadline
     (``deadlines``); the message names the call and the actors."""

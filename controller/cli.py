@@ -127,7 +127,7 @@ def _resume_problem(run_dir: str, overrides: list[str]) -> str | None:
 
 def _run(cfg, args: argparse.Namespace, stop) -> int:
     from controller.app import check_layout, problems, train
-    from controller.backend import DeadlineExceeded, LearnerLost
+    from controller.backend import DeadlineExceeded, LearnerLost, WorkersGone
     from controller.loop import RolloutsFailing
     from controller.config import ConfigError
     from controller.network import NetworkError
@@ -156,7 +156,7 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
     print(f"drpo train: run folder {cfg.run_dir} ({cfg.train.mode}, {cfg.learner.objective.type}, {cfg.train.steps} steps)", file=sys.stderr)
     try:
         result = train(cfg, resume=bool(args.resume), startup=startup, overwrite=args.overwrite, stop=stop, loaded=loaded)
-    except (LearnerLost, DeadlineExceeded, StorageError, Stalled, RolloutsFailing) as err:
+    except (LearnerLost, DeadlineExceeded, StorageError, Stalled, RolloutsFailing, WorkersGone) as err:
         print(f"drpo train: {err}", file=sys.stderr)
         if isinstance(err, Stalled):
             print(f"drpo train: resume from its newest checkpoint with: drpo train --resume {cfg.run_dir}", file=sys.stderr)

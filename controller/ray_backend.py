@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import objectives
-from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult
+from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult, WorkersGone
 from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from controller.hardware import resolve_precision
@@ -172,6 +172,8 @@ class RayBackend(Backend):
         """When each pending ``update_weights`` was sent."""
         self._why: dict[int, str] = {}
         """Why a worker was lost, for the next ``wait``'s report."""
+        self._last_reason: dict[int, str] = {}
+        """Why each worker was last restarted (named if it runs out of restarts)."""
 
     def _started_up(self, refs: list, began: float) -> list[dict]:
         """Every worker's first heartbeat, within the start-up deadline (DeadlineExceeded names the late ones)."""
@@ -192,7 +194,7 @@ class RayBackend(Backend):
             return
         ray.kill(self.actors[worker], no_restart=False)
         self._dead_life[worker] = self._life.get(worker)
-        self._why[worker] = reason
+        self._why[worker] = self._last_reason[worker] = reason
         self._lose(worker)
         if self._sync is not None:
             self._sync.invalidate()
@@ -325,7 +327,11 @@ class RayBackend(Backend):
         except ActorDiedError:
             self._gone.add(worker)  # out of restarts: never comes back
             if len(self._gone) == self.workers:
-                raise RuntimeError("every rollout worker died and is out of restarts (rollout.max_restarts)") from None
+                last = self._last_reason.get(worker)
+                raise WorkersGone(
+                    "every rollout worker died and is out of restarts (rollout.max_restarts)"
+                    + (f"; worker {worker} was last lost because {last}" if last else "")
+                ) from None
             return
         except RayActorError:
             return  # still restarting; probed again on the next wait

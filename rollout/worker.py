@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,14 +62,45 @@ def completion_problem(c: Completion, topk: int) -> str | None:
     return None
 
 
+_ERROR_LINE_RE = re.compile(r"(?:^|\] )([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+POINTERS = ("stack trace (above)", "stack trace above", "EngineDeadError")
+"""Error lines that only point elsewhere (vLLM's "See stack trace (above) for the root cause")."""
+
+
+def _root_cause_in_own_log(max_bytes: int = 262_144, max_lines: int = 400) -> str | None:
+    """The first error line (``SomeError: text``) among the recent lines of this process's own
+    stdout and stderr files, which an engine's child processes share (Ray writes them to the
+    worker's log files): where vLLM's EngineCore writes the exception that killed it, while the
+    EngineDeadError raised here only says "see the stack trace above"."""
+    for fd in (1, 2):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                f.seek(max(0, size - max_bytes))
+                lines = f.read().decode("utf-8", "replace").splitlines()[-max_lines:]
+        except OSError:
+            continue
+        for line in lines:
+            m = _ERROR_LINE_RE.search(line.strip())
+            if m and not any(p in line for p in POINTERS):
+                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"
+    return None
+
+
 def _cause(err: BaseException) -> str:
-    """An engine error for a person: its type and message, then the last frames of its traceback
-    (the engine's own text, which the driver would otherwise never see)."""
+    """An engine error for a person: its type and message, the root cause its engine process wrote
+    (when the error only points at a stack trace nobody sees), then the last frames of its traceback."""
     import traceback
 
     frames = [f for f in traceback.format_exception(type(err), err, err.__traceback__)[:-1] if not f.startswith("Traceback")]
     tail = " | ".join(" ".join(f.split()) for f in frames[-3:])
-    return f"{type(err).__name__}: {err}" + (f" (at: {tail})" if tail else "")
+    text = f"{type(err).__name__}: {err}"
+    if any(p in text for p in POINTERS):
+        root = _root_cause_in_own_log()
+        if root:
+            text = f"{root} (the engine process's error; it raised {text})"
+    return text + (f" (at: {tail})" if tail else "")
 
 
 def _restarted() -> bool:
