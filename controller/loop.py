@@ -108,6 +108,8 @@ class Controller:
         self.failing_since, self.first_in_streak = 0.0, ""
         self.first_failures: dict[int, str] = {}
         """Each worker's first failed group's error (reported once)."""
+        self.eval_waiting: list[EvalTicket] = []
+        """Evaluation prompts of a lost worker that wait for a live one (every worker was restarting)."""
         self.eval_pending: dict[EvalTicket, int] = {}
         """Evaluation submissions without a result yet, and the worker each went to."""
         self.checkpointed = 0
@@ -157,6 +159,10 @@ class Controller:
             self.telemetry.worker_event("lost", worker, None, events.why.get(worker))
         for worker in events.revived:
             self.telemetry.worker_event("back", worker, self.backend.worker_version(worker))
+        if events.revived and self.eval_waiting:  # evaluation prompts that waited for a live worker
+            waiting, self.eval_waiting = self.eval_waiting, []
+            for ticket in waiting:
+                self._submit_eval(ticket)
         for s in events.started:
             flight = self.in_flight.get(s.ticket) if isinstance(s.ticket, TrainTicket) else None
             if flight is not None:
@@ -302,7 +308,10 @@ class Controller:
             self.handle(self.backend.wait())
 
     def _submit_eval(self, ticket: EvalTicket) -> None:
-        live = [w for w in range(self.backend.workers) if self.backend.available(w)] or list(range(self.backend.workers))
+        live = [w for w in range(self.backend.workers) if self.backend.available(w)]
+        if not live:  # every worker is restarting: a submission now would be dropped by its restart's reset
+            self.eval_waiting.append(ticket)
+            return
         queued = [0] * self.backend.workers
         for w in self.eval_pending.values():
             queued[w] += 1

@@ -255,13 +255,16 @@ def test_a_run_whose_every_generation_fails_stops_within_the_bound_naming_the_fi
     assert first["worker"] == 0 and "max_prompt_tokens=1" in first["error"]
 
 
-def test_an_engine_that_dies_restarts_its_worker_with_the_engines_error_and_the_run_finishes_exactly(ray_local, tiny_chat_model, tmp_path):
-    """chaos kill_engine: worker 0's engine dies at its 3rd call (the hf engine raises EngineDied; vLLM
-    and SGLang lose their engine process). The worker does not fail group after group: it is restarted
-    at once, its restart record holds the engine's own error, and nothing is lost or counted twice."""
+@pytest.mark.parametrize("call", [1, 3], ids=["during-the-first-evaluation", "during-training"])
+def test_an_engine_that_dies_restarts_its_worker_with_the_engines_error_and_the_run_finishes_exactly(ray_local, tiny_chat_model, tmp_path, call):
+    """chaos kill_engine: the only worker's engine dies at its N-th call (the hf engine raises
+    EngineDied; vLLM and SGLang lose their engine process), in the evaluation at start or in training.
+    The worker does not fail group after group: it is restarted at once, its restart record holds the
+    engine's own error, the evaluation prompts it held wait for it and are evaluated, and nothing is
+    lost or counted twice."""
     cfg = run_config(tmp_path, tiny_chat_model, steps=4)
     data = cfg.model_dump(mode="json")
-    data["rollout"].update(workers=1, chaos={"kill_engine": 3})
+    data["rollout"].update(workers=1, chaos={"kill_engine": call})
     data["eval"].update(every=0)
     cfg = RunConfig.model_validate(data)
     result = train(cfg)
@@ -272,3 +275,5 @@ def test_an_engine_that_dies_restarts_its_worker_with_the_engines_error_and_the_
     assert [e["event"] for e in events].count("back") == 1
     state = exact(cfg)
     assert not [e for e in state["ledger"] if e["outcome"] == "failed"]  # its groups were re-queued, not failed
+    evals = records(Path(cfg.run_dir), "eval")
+    assert evals[0]["version"] == 0 and evals[0]["samples"] == 8 and evals[0]["failed"] == 0  # the first evaluation is whole
