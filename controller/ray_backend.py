@@ -23,7 +23,7 @@ from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from controller.hardware import resolve_precision
 from learner.batch import TrainBatch
-from learner.group import LearnerGroup, LearnerTimeout
+from learner.group import LearnerGroup, LearnerTimeout, late_refs
 from learner.host import check_host
 from learner.placement import PlacementError, wait_placed
 from rollout.records import Ticket
@@ -181,10 +181,9 @@ class RayBackend(Backend):
         try:
             return ray.get(refs, timeout=left)
         except ray.exceptions.GetTimeoutError:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            late = [w for w, ref in enumerate(refs) if ref not in done]
             raise DeadlineExceeded(
-                f"rollout workers {late} did not load their engine within deadlines.startup_seconds={self.deadlines.startup_seconds:g} s"
+                f"rollout workers {late_refs(refs)} did not load their engine within "
+                f"deadlines.startup_seconds={self.deadlines.startup_seconds:g} s"
             ) from None
 
     def restart(self, worker: int, reason: str) -> None:
@@ -225,10 +224,13 @@ class RayBackend(Backend):
                 self._calls[worker] = {t: now - (running or 0.0) for t in calls}
         for ref, sent in list(self._ack_sent.items()):
             if ref in self._acks and now - sent > self.deadlines.weight_load_seconds:
-                worker = self._acks.pop(ref)
-                del self._ack_sent[ref]
-                self.restart(worker, f"update_weights (loading a publication) ran past deadlines.weight_load_seconds="
-                             f"{self.deadlines.weight_load_seconds:g} s: the engine is hung")
+                self._restart_late_ack(ref, "update_weights (loading a publication)")
+
+    def _restart_late_ack(self, ref, call: str) -> None:
+        """A worker that did not acknowledge a publication within its deadline: restarted, it loads it."""
+        worker = self._acks.pop(ref)
+        self._ack_sent.pop(ref, None)
+        self.restart(worker, f"{call} ran past deadlines.weight_load_seconds={self.deadlines.weight_load_seconds:g} s: the engine is hung")
 
     def now(self) -> float:
         return time.monotonic()
@@ -376,11 +378,8 @@ class RayBackend(Backend):
         if wait and self._acks:
             ready, late = ray.wait(list(self._acks), num_returns=len(self._acks), timeout=self.deadlines.weight_load_seconds)
             self._collect_acks(set(ready))
-            for ref in late:  # a hung engine must not hang a synchronous run: restarted, it loads this publication
-                worker = self._acks.pop(ref)
-                self._ack_sent.pop(ref, None)
-                self.restart(worker, f"update_weights of version {version} ran past deadlines.weight_load_seconds="
-                             f"{self.deadlines.weight_load_seconds:g} s: the engine is hung")
+            for ref in late:  # a hung engine must not hang a synchronous run
+                self._restart_late_ack(ref, f"update_weights of version {version}")
         return PublishReport(time.monotonic() - started, publication.nbytes)
 
     def _object_store_publication(self, version: int):

@@ -30,15 +30,19 @@ class LearnerTimeout(RuntimeError):
     """A learner call did not finish within its deadline; the message names the call and the ranks."""
 
 
+def late_refs(refs: list) -> list[int]:
+    """The positions of ``refs`` not done yet (after a bounded ``ray.get`` timed out)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return [i for i, ref in enumerate(refs) if ref not in done]
+
+
 def _get(refs: list, call: str, timeout: float | None):
     """``ray.get(refs)`` bounded by ``timeout`` seconds (None: unbounded); LearnerTimeout names the
     ranks that had not answered."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        late = [rank for rank, ref in enumerate(refs) if ref not in done]
-        raise LearnerTimeout(f"learner {call} did not finish within {timeout:g} s (ranks {late} had not answered)") from None
+        raise LearnerTimeout(f"learner {call} did not finish within {timeout:g} s (ranks {late_refs(refs)} had not answered)") from None
 
 
 class LearnerGroup:

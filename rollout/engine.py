@@ -95,7 +95,7 @@ class EngineDied(RuntimeError):
 
 
 def private_folder(prefix: str, parent: str | None = None) -> str:
-    """A new folder ``{prefix}{pid}-XXXX`` (under ``parent``, default the temporary folder) that
+    """A new folder ``{prefix}{pid}-<random suffix>`` (under ``parent``, default the temporary folder) that
     ``Engine.close`` removes. A process killed before it closed its engine (a restart after a hung
     call, a SIGKILL) cannot remove its own: each new one removes the folders of ``prefix`` whose
     process is gone, so /dev/shm and the disk do not fill up over restarts."""
