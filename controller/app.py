@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from pathlib import Path
 import objectives
 from controller.artifacts import export_run
 from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
-from controller.hardware import resolve_precision
+from controller.hardware import cuda_gpus, resolve_precision
 from controller.loggers import build as build_loggers
 from controller.loop import Controller, checkpoint_step, latest_checkpoint
 from controller.run_folder import check_shared, holding, prepare, settle_aside
@@ -97,6 +99,35 @@ def check_layout(cfg: RunConfig) -> None:
         raise ConfigError(f"{'; '.join(problems)} (model {folder})")
 
 
+def check_machine(cfg: RunConfig, learner: bool = True) -> None:
+    """What a local cluster (the one drpo starts on this machine) cannot host is refused by field
+    before Ray starts: an engine whose package is not installed, GPUs the machine does not have
+    (``learner=False``: rollout workers only, as ``drpo eval`` places). Joining a cluster
+    (ray_address or RAY_ADDRESS) skips this: its nodes, not this one, host the roles."""
+    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    problems = []
+    package = {"vllm": "vllm", "sglang": "sglang"}.get(cfg.rollout.engine)
+    if package and importlib.util.find_spec(package) is None:
+        problems.append(
+            f"rollout.engine={cfg.rollout.engine} needs the {package} package, which is not installed here "
+            "(scripts/setup.sh installs vLLM's CPU build; SGLang comes with the sglang extra, on a CUDA machine)"
+        )
+    wanted = {
+        "rollout.gpus_per_worker": cfg.rollout.workers * cfg.rollout.gpus_per_worker,
+        "learner_resources.gpus_per_worker": cfg.learner.parallel.world_size * cfg.learner_resources.gpus_per_worker if learner else 0,
+    }
+    gpus = cuda_gpus() if any(wanted.values()) else 0
+    if sum(wanted.values()) > gpus:
+        asked = ", ".join(f"{field} asks for {n:g} in all" for field, n in wanted.items() if n)
+        problems.append(
+            f"{asked}, and this machine, where drpo starts a local Ray cluster, has {gpus} GPU(s): set them to 0 to run "
+            "here, or join a cluster that has them (ray_address, or RAY_ADDRESS as `ray job submit` sets it)"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def make_backend(cfg: RunConfig):
     if cfg.simulation is not None:
         from controller.simulation import SimulatedBackend
@@ -121,6 +152,7 @@ def train(
     run_dir = Path(cfg.run_dir)
     if cfg.simulation is None and backend is None:
         check_layout(cfg)  # before the run folder is touched
+        check_machine(cfg)
     train_set, eval_sets, skipped = loaded or problems(cfg)  # a missing or empty data file fails here, nothing written yet
     with holding(run_dir):  # one driver per run folder (the CLI took it already, before Ray started)
         try:

@@ -126,7 +126,7 @@ def _resume_problem(run_dir: str, overrides: list[str]) -> str | None:
 
 
 def _run(cfg, args: argparse.Namespace, stop) -> int:
-    from controller.app import check_layout, problems, train
+    from controller.app import check_layout, check_machine, problems, train
     from controller.backend import DeadlineExceeded, LearnerLost, WorkersGone
     from controller.loop import RolloutsFailing
     from controller.config import ConfigError
@@ -141,6 +141,7 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
         loaded = problems(cfg)  # the data: before Ray starts or the run folder is touched
         if cfg.simulation is None:
             check_layout(cfg)
+            check_machine(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as err:  # bad data or layout; a missing or unsupported model
         print(f"drpo train: {err}", file=sys.stderr)
         return 2
@@ -218,13 +219,14 @@ def _eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"--step picks a run folder's checkpoint; {target} is a model folder")
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
         prepare(cfg.ray_address)  # before anything imports ray
-        from controller.app import problems
+        from controller.app import check_machine, problems
         from controller.evaluate import check_model_folder, evaluate_folder, evaluate_run
 
         if not is_run:
             check_model_folder(target)
         if not any(problems(cfg)[1].values()):  # the data, before Ray starts
             raise ConfigError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
+        check_machine(cfg, learner=False)
         _init_ray(cfg)
         if is_run:
             result, folder = evaluate_run(target, args.step, cfg)

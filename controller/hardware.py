@@ -1,4 +1,5 @@
-"""What the machine the run starts on can compute fast, for ``precision: auto`` (no torch import).
+"""What the machine the run starts on can compute fast, for ``precision: auto`` (no torch import),
+and how many GPUs it has.
 
 Without bf16 arithmetic units torch emulates bf16 on the CPU: measured 2026-12-02 on a 2-core AMD
 EPYC with AVX2 only, a SmolLM2-sized matmul (2048x576 @ 576x1536, 2 threads) ran at 1.2 GFLOPS in
@@ -35,6 +36,13 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
 def auto_precision(gpus: float, cpu_bf16: bool | None = None) -> str:
     """``auto`` for one role: bf16 where it is given GPUs or the CPU has bf16 arithmetic, else fp32."""
     return "bf16" if gpus > 0 or (cpu_has_bf16() if cpu_bf16 is None else cpu_bf16) else "fp32"
+
+
+def cuda_gpus() -> int:
+    """The CUDA GPUs this process sees (CUDA_VISIBLE_DEVICES applies; 0 with a CPU-only torch)."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def resolve_precision(cfg, cpu_bf16: bool | None = None):

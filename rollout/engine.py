@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,27 @@ class Engine(ABC):
             return True
         return any(not p.is_running() or p.status() == "zombie" for p in getattr(self, "_engine_processes", ()))
 
+    def ended_processes(self) -> list[str]:
+        """The engine's own processes that are gone, for a person: name, pid and, where the engine
+        kept it, how each ended (``_exit_codes``). Empty for an engine inside the worker's process."""
+        codes = self._exit_codes()
+        gone = []
+        for p in getattr(self, "_engine_processes", ()):
+            try:
+                alive = p.is_running() and p.status() != "zombie"
+            except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and the like: gone
+                alive = False
+            if not alive:
+                code = codes.get(p.pid)
+                how = "" if code is None else f", killed by {signal.Signals(-code).name}" if code < 0 else f", exit code {code}"
+                gone.append(f"its {self._engine_marker} process (pid {p.pid}{how})")
+        return gone
+
+    def _exit_codes(self) -> dict[int, int]:
+        """pid -> exit code (negative: the signal) of the engine's own processes that ended, where
+        the engine library keeps them; engines that spawn processes override it."""
+        return {}
+
     def _record_engine_processes(self, marker: str) -> None:
         """Remember this process's children whose command line holds ``marker`` (the engine's own
         processes), for ``is_dead`` and ``kill_for_chaos``."""
@@ -144,7 +166,7 @@ class Engine(ABC):
                     found.append(child)
             except psutil.Error:
                 continue
-        self._engine_processes = found
+        self._engine_processes, self._engine_marker = found, marker
 
     def kill_for_chaos(self) -> None:
         """chaos ``kill_engine``: make the engine die the way it really dies: its own processes are

@@ -276,6 +276,12 @@ class VLLMEngine(Engine):
 
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
+    def _exit_codes(self) -> dict[int, int]:
+        """vLLM keeps its engine-core processes (multiprocessing, which reaps them) in the client's
+        engine manager; their exit codes are read there, where this vLLM has them."""
+        manager = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return {p.pid: p.exitcode for p in getattr(manager, "processes", ()) if getattr(p, "exitcode", None) is not None}
+
     @property
     def version(self) -> int:
         return self.served.version

@@ -88,9 +88,10 @@ def _root_cause_in_own_log(max_bytes: int = 262_144, max_lines: int = 400) -> st
     return None
 
 
-def _cause(err: BaseException) -> str:
+def _cause(err: BaseException, ended: list[str] = ()) -> str:
     """An engine error for a person: its type and message, the root cause its engine process wrote
-    (when the error only points at a stack trace nobody sees), then the last frames of its traceback."""
+    (when the error only points at a stack trace nobody sees) or, when it wrote none, which of the
+    engine's processes ended and how (``ended``), then the last frames of its traceback."""
     import traceback
 
     frames = [f for f in traceback.format_exception(type(err), err, err.__traceback__)[:-1] if not f.startswith("Traceback")]
@@ -100,6 +101,9 @@ def _cause(err: BaseException) -> str:
         root = _root_cause_in_own_log()
         if root:
             text = f"{root} (the engine process's error; it raised {text})"
+        elif ended:
+            text = (f"{' and '.join(ended)} ended without writing an error (killed from outside: a signal, or the kernel's "
+                    f"out-of-memory killer, which `dmesg` on that node names); the engine raised {text}")
     return text + (f" (at: {tail})" if tail else "")
 
 
@@ -409,7 +413,7 @@ class RolloutWorker:
             except Exception as err:  # the worker outlives a bad request; the controller sees why
                 self._engine_call_began = None
                 if self.engine.is_dead(err):  # not this request's fault: the worker must restart
-                    self._dead = _cause(err)
+                    self._dead = _cause(err, self.engine.ended_processes())
                     return []  # its groups are re-queued with the worker's work
                 seconds = time.perf_counter() - started
                 for i in prompts:

