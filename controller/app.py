@@ -99,12 +99,20 @@ def check_layout(cfg: RunConfig) -> None:
         raise ConfigError(f"{'; '.join(problems)} (model {folder})")
 
 
+def _ray_joined() -> bool:
+    """Whether this process already joined a Ray cluster (``ray.init`` called from Python): that
+    cluster, not this machine, hosts the roles."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def check_machine(cfg: RunConfig, learner: bool = True) -> None:
     """What a local cluster (the one drpo starts on this machine) cannot host is refused by field
     before Ray starts: an engine whose package is not installed, GPUs the machine does not have
     (``learner=False``: rollout workers only, as ``drpo eval`` places). Joining a cluster
-    (ray_address or RAY_ADDRESS) skips this: its nodes, not this one, host the roles."""
-    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+    (ray_address, RAY_ADDRESS, or ``ray.init`` called before) skips this: its nodes host the roles.
+    The GPU count asked is a lower bound (fractional asks summed), so nothing placeable is refused."""
+    if cfg.ray_address or os.environ.get("RAY_ADDRESS") or _ray_joined():
         return
     problems = []
     package = {"vllm": "vllm", "sglang": "sglang"}.get(cfg.rollout.engine)
@@ -151,8 +159,8 @@ def train(
     cfg = resolve_precision(cfg)  # config.yaml records what ran, never auto
     run_dir = Path(cfg.run_dir)
     if cfg.simulation is None and backend is None:
-        check_layout(cfg)  # before the run folder is touched
-        check_machine(cfg)
+        check_machine(cfg)  # before the run folder is touched
+        check_layout(cfg)
     train_set, eval_sets, skipped = loaded or problems(cfg)  # a missing or empty data file fails here, nothing written yet
     with holding(run_dir):  # one driver per run folder (the CLI took it already, before Ray started)
         try:

@@ -138,10 +138,11 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
 
     startup, loaded = {}, None
     try:
+        if cfg.simulation is None:
+            check_machine(cfg)  # needs no file: before the data and the model, which may be large or far away
         loaded = problems(cfg)  # the data: before Ray starts or the run folder is touched
         if cfg.simulation is None:
             check_layout(cfg)
-            check_machine(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as err:  # bad data or layout; a missing or unsupported model
         print(f"drpo train: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,14 @@ from learner.publish import WeightBucket
 Precision = Literal["fp32", "bf16", "fp8"]
 
 
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9; "signal N" for a number this platform has no name for (real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -135,7 +143,8 @@ class Engine(ABC):
 
     def ended_processes(self) -> list[str]:
         """The engine's own processes that are gone, for a person: name, pid and, where the engine
-        kept it, how each ended (``_exit_codes``). Empty for an engine inside the worker's process."""
+        kept it, how each ended (``_exit_codes``: "was killed by SIGKILL", "exited with code 1").
+        Empty for an engine inside the worker's process."""
         codes = self._exit_codes()
         gone = []
         for p in getattr(self, "_engine_processes", ()):
@@ -145,8 +154,8 @@ class Engine(ABC):
                 alive = False
             if not alive:
                 code = codes.get(p.pid)
-                how = "" if code is None else f", killed by {signal.Signals(-code).name}" if code < 0 else f", exit code {code}"
-                gone.append(f"its {self._engine_marker} process (pid {p.pid}{how})")
+                how = "ended" if code is None else f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+                gone.append(f"its {self._engine_marker} process (pid {p.pid}) {how}")
         return gone
 
     def _exit_codes(self) -> dict[int, int]:

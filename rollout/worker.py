@@ -89,21 +89,25 @@ def _root_cause_in_own_log(max_bytes: int = 262_144, max_lines: int = 400) -> st
 
 
 def _cause(err: BaseException, ended: list[str] = ()) -> str:
-    """An engine error for a person: its type and message, the root cause its engine process wrote
-    (when the error only points at a stack trace nobody sees) or, when it wrote none, which of the
-    engine's processes ended and how (``ended``), then the last frames of its traceback."""
+    """An engine error for a person: its type and message and, when it only points at a stack trace
+    nobody sees, what the engine's processes say: one killed by a signal (``ended``), else the
+    root cause its engine process wrote to the worker's log, else which ended and how; then the
+    last frames of its traceback."""
     import traceback
 
     frames = [f for f in traceback.format_exception(type(err), err, err.__traceback__)[:-1] if not f.startswith("Traceback")]
     tail = " | ".join(" ".join(f.split()) for f in frames[-3:])
     text = f"{type(err).__name__}: {err}"
     if any(p in text for p in POINTERS):
-        root = _root_cause_in_own_log()
-        if root:
+        killed = [e for e in ended if " was killed by " in e]
+        root = None if killed else _root_cause_in_own_log()  # a kill from outside wrote no error: older log lines are not its cause
+        if killed:
+            text = (f"{' and '.join(killed)} (from outside the engine: a signal, or the kernel's out-of-memory killer, which "
+                    f"`dmesg` on that node names); the engine raised {text}")
+        elif root:
             text = f"{root} (the engine process's error; it raised {text})"
         elif ended:
-            text = (f"{' and '.join(ended)} ended without writing an error (killed from outside: a signal, or the kernel's "
-                    f"out-of-memory killer, which `dmesg` on that node names); the engine raised {text}")
+            text = f"{' and '.join(ended)} without writing an error to the worker's log; the engine raised {text}"
     return text + (f" (at: {tail})" if tail else "")
 
 
@@ -413,7 +417,11 @@ class RolloutWorker:
             except Exception as err:  # the worker outlives a bad request; the controller sees why
                 self._engine_call_began = None
                 if self.engine.is_dead(err):  # not this request's fault: the worker must restart
-                    self._dead = _cause(err, self.engine.ended_processes())
+                    try:
+                        ended = self.engine.ended_processes()
+                    except Exception:  # noqa: BLE001 - describing the death must not stop the restart
+                        ended = []
+                    self._dead = _cause(err, ended)
                     return []  # its groups are re-queued with the worker's work
                 seconds = time.perf_counter() - started
                 for i in prompts:

