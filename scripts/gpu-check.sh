@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 19): on a machine with one NVIDIA GPU and no internet, install what
+# One prepared GPU check: on a machine with one NVIDIA GPU and no internet, install what
 # it needs from wheels carried with the working tree (.whl/, made here by scripts/gpu-wheels.sh),
 # run every `gpu`-marked test, then 5-step `drpo train` runs on SmolLM2 with the vllm and the sglang
 # engine (bf16 learner, fp8 rollout: vLLM's online fp8; on sglang block fp8 quantized by drpo,

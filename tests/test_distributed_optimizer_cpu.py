@@ -1,4 +1,4 @@
-"""Megatron's distributed optimizer on CPU: where exactly it fails (issue 19 asks it to be exercised on
+"""Megatron's distributed optimizer on CPU: where exactly it fails (it is exercised on
 CPU wherever the library allows). The learner builds it only on CUDA (learner/optim.py,
 MegatronDistributedAdam); its checkpoint round trip is a `gpu` test (tests/test_learner_gpu.py).
 If a megatron-core release lets it build on CPU, this test fails and that round trip can move here."""

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.controller.run            # simulation only (seconds)
     .venv/bin/python -m benchmarks.controller.run --real 4   # + the embedded default, sync vs async
-    .venv/bin/python -m benchmarks.controller.run --before-after 5   # the default preset before vs after issue 15
+    .venv/bin/python -m benchmarks.controller.run --before-after 5   # the earlier default preset (async, fp32 learner, no packing) vs today's
     .venv/bin/python -m benchmarks.controller.run --engines 5        # the default preset, hf vs vllm rollout workers
 
 Simulation: the Controller over SimulatedBackend with balanced stages (W workers at 1 group/s each,
@@ -92,7 +92,7 @@ def real(steps: int) -> None:
         print(f"{name:>30} {sec:>8.1f} {tps:>17.1f} {rows[VARIANTS[0][0]][0] / sec:>7.2f}")
 
 
-BEFORE = (  # the embedded default before issue 15, as overrides of today's preset
+BEFORE = (  # the earlier embedded default (async, fp32 learner, unpacked), as overrides of today's preset
     "train.mode=async", "train.max_staleness=1", "rollout.threads=1", "learner_resources.threads=2", "learner.precision=fp32",
     "learner.packing=none", "learner.micro_batch_size=16", "eval.concurrent=true",
 )
@@ -122,7 +122,7 @@ def interleaved_train(variants: dict[str, tuple[str, ...]], steps: int, rounds: 
 
 
 def before_after(steps: int, rounds: int) -> None:
-    """A whole drpo train step on the embedded default, the preset before issue 15 and today's,
+    """A whole drpo train step on the embedded default, the earlier preset (async, fp32 learner, unpacked) and today's,
     interleaved (before, after, before, ...). Engine changes of the same issue (prompt prefilled
     once per group, CDF sampling) are in both: what differs is the configuration."""
     records = interleaved_train({"before": BEFORE, "after": ()}, steps, rounds)
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--eta", type=int, default=2)
     parser.add_argument("--gen-cv", type=float, default=0.5)
     parser.add_argument("--real", type=int, default=0, metavar="STEPS", help="also run the embedded default for STEPS steps per mode")
-    parser.add_argument("--before-after", type=int, default=0, metavar="STEPS", help="only: the default preset before vs after issue 15")
+    parser.add_argument("--before-after", type=int, default=0, metavar="STEPS", help="only: the earlier default preset (async, fp32 learner, unpacked) vs today's")
     parser.add_argument("--engines", type=int, default=0, metavar="STEPS", help="only: the default preset with hf vs vllm workers")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --before-after / --engines")
     args = parser.parse_args()
