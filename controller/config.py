@@ -1,4 +1,4 @@
-"""The typed run config: everything one training run needs, as values (STYLE.md items 2 and 3).
+"""The typed run config: everything one training run needs, as values.
 
 Imports neither torch, Ray nor Megatron. Loaded from a preset YAML file with ``--set a.b=value``
 overrides (values parsed as YAML); a bad value or an unknown key fails at load time with the

@@ -4,7 +4,7 @@ Data convention: every per-token tensor is aligned with ``input_ids`` [N, S] (pr
 right-padded): position t holds the statistics of token input_ids[t], which the model predicts from
 positions < t; position 0 is never scored. Top-K tensors add a last dimension K.
 
-Three log-probs, each in its own field, never one standing in for another (STYLE.md item 5):
+Three log-probs, each in its own field, never one standing in for another:
 ``rollout_logp`` is mu from the engine that sampled the token; ``proximal_logp`` is the learner's
 own recomputation at the start of the step (decoupled anchor only, filled in by the learner); the
 learner's current ``policy_logp`` is computed in the step and never stored here.

@@ -2,9 +2,9 @@
 
 Choice: a hand-written converter, not mbridge or megatron-bridge. On these machines mbridge 0.15.1
 produced the same layout but needed four patches of its internals to run on CPU (it hard-codes
-Transformer Engine and .cuda()), and megatron-bridge needs Python 3.12 and GPU-only packages
-(DESIGN.md). The layout rules are few and stable, and a converter we own runs identically on CPU
-and GPU, shards for tensor parallelism itself, and is tested for exact round trips.
+Transformer Engine and .cuda()), and megatron-bridge needs Python 3.12 and GPU-only packages.
+The layout rules are few and stable, and a converter we own runs identically on CPU and GPU,
+shards for tensor parallelism itself, and is tested for exact round trips.
 
 Layout (local layer spec, RMSNorm), per layer i:
     model.layers.i.input_layernorm            <-> decoder.layers.i.input_layernorm

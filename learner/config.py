@@ -1,4 +1,4 @@
-"""Typed learner config. Imports neither torch, Ray nor Megatron (STYLE.md item 2)."""
+"""Typed learner config. Imports neither torch, Ray nor Megatron."""
 
 from __future__ import annotations
 

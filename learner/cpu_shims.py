@@ -1,7 +1,7 @@
 """Every change megatron-core needs to train on CPU with gloo, in one place. No-ops on GPU.
 
-megatron-core (0.16.1 here; 0.17+ needs Python >= 3.12) is written for CUDA. Measured on these
-machines (DESIGN.md), GPTModel trains on CPU given the settings below. ``apply()`` is idempotent and
+megatron-core (0.16.1 here; 0.17+ needs Python >= 3.12) is written for CUDA; GPTModel
+trains on CPU given the settings below. ``apply()`` is idempotent and
 returns immediately when CUDA is available, so the learner calls it unconditionally.
 
 Config-level settings (``cpu_config_overrides``), each needed on CPU:

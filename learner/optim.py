@@ -1,7 +1,7 @@
 """The learner's optimizer: torch AdamW over megatron's main_grad on CPU, megatron's distributed
 optimizer on GPU, behind one small interface (step -> grad norm, LR schedule, state dicts).
 
-megatron-core's get_megatron_optimizer needs CUDA (DESIGN.md); on CPU, AdamW over each parameter's
+megatron-core's get_megatron_optimizer needs CUDA; on CPU, AdamW over each parameter's
 ``main_grad`` (the fp32 buffer megatron's DDP reduces into) after ``finish_grad_sync()`` is exact.
 """
 

@@ -1,4 +1,4 @@
-"""Ray actors around the Learner: thin (STYLE.md item 7); every method takes and returns typed data."""
+"""Ray actors around the Learner: thin; every method takes and returns typed data."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Inputs, outputs, metrics and the registry shared by every policy objective.
 
-Naming (STYLE.md item 5): ``policy_logp`` is log pi_theta(y_t|s_t) from the learner now,
+Naming: ``policy_logp`` is log pi_theta(y_t|s_t) from the learner now,
 ``rollout_logp`` is log mu(y_t|s_t) reported by the engine that sampled y_t. An objective returns a
 per-token loss to *minimize*; aggregation to a scalar is a separate, explicit step (aggregation.py).
 Nothing here calls ``.item()``: metrics stay tensors so the learner's hot path never syncs the host.

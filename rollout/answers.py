@@ -12,7 +12,7 @@ work per response stays bounded whatever its length.
 Whether an answer may be compared, and how, is the reward's business (rollout/rewards.py): a
 *literal* is a number, a plain fraction or ``\\frac{a}{b}``; a *computation* is two numbers joined by
 an operator (``7 * 27``), which math-verify would evaluate and so score a restated question as
-correct (DESIGN.md).
+correct.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ fraction) and equal the ground truth exactly. ``math_verify`` (``MathVerifyRewar
 decides equivalence, so closed forms count (``\\frac{1}{2}`` for 0.5, ``2\\sqrt{2}``, ``\\pi``), but an
 answer that is a *computation* (two numbers joined by an operator) is refused first: math-verify
 evaluates expressions, so ``\\boxed{7 * 27}`` would otherwise score as 189 although the model
-computed nothing — and within 10 GRPO steps a policy learned to exploit exactly that (DESIGN.md).
+computed nothing — and within 10 GRPO steps a policy learned to exploit exactly that.
 
 ``MathVerifyReward`` runs math-verify in a separate worker process: math-verify's own timeouts use
 signals and only work in the main thread, and a sympy computation cannot be interrupted from
