@@ -244,7 +244,8 @@ class Telemetry:
                 label = "eval accuracy, start" if first["version"] == 0 else "eval accuracy, first evaluation"
                 rows.append((label, f"{first['accuracy']:.3f} (version {first['version']}, n={first['samples']})"))
             rows.append(("eval accuracy, end", f"{last['accuracy']:.3f} (version {last['version']}, n={last['samples']})"))
-            rows += [(f"eval set {name}", describe_set(first.get("sets", {}).get(name, {}), s)) for name, s in last.get("sets", {}).items()]
+            before = first.get("sets", {}) if len(eval_history) > 1 else {}  # one evaluation: no "start -> end" to show
+            rows += [(f"eval set {name}", describe_set(before.get(name, {}), s)) for name, s in last.get("sets", {}).items()]
         if self.steps:
             def mean(key: str) -> float:  # over the steps that have it (a lag bucket can be empty)
                 got = [s[key] for s in self.steps if key in s and not math.isnan(s[key])]

@@ -7,6 +7,7 @@ import urllib.request
 
 from controller.cli import main
 from controller.prometheus import CATALOG, PrometheusExporter, series
+from controller.telemetry import Telemetry
 
 
 def test_prometheus_endpoint_serves_gauges_on_loopback():
@@ -61,3 +62,14 @@ def test_drpo_train_simulate_writes_metrics_and_a_summary(tmp_path, capsys):
     assert "eval accuracy, start" in out.out and "ledger" in out.out
     assert "step 6/6" in out.err  # the progress line
     assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "step-000006" / "controller.json").is_file()
+
+
+def test_the_summary_shows_start_to_end_per_eval_set_only_when_two_evaluations_ran(tmp_path):
+    from controller.config import MetricsConfig
+
+    telemetry = Telemetry(tmp_path, MetricsConfig(port=None, progress=False), 1, lambda: 0.0)
+    sets = lambda acc: {"heldout": {"mean_at_k": acc, "k": 1, "pass_at_1": acc, "response_tokens_mean": 4, "truncated_frac": 0.0}}  # noqa: E731
+    first, last = {"version": 0, "accuracy": 0.1, "samples": 8, "sets": sets(0.1)}, {"version": 2, "accuracy": 0.5, "samples": 8, "sets": sets(0.5)}
+    assert "mean@1 0.100 → 0.500" in telemetry.summary([first, last], {"trained": 4})
+    only = telemetry.summary([last], {"trained": 4})  # eval.at_start false: the end is the only evaluation
+    assert "eval set heldout" in only and "mean@1 0.500" in only and "→" not in only
