@@ -1,5 +1,6 @@
-"""What the machine the run starts on can compute fast, for ``precision: auto`` (no torch import),
-and how many GPUs it has.
+"""What the machine the run starts on can compute fast, for ``precision: auto`` (read from
+/proc/cpuinfo, without importing torch), and how many CUDA GPUs it has (``cuda_gpus``, which does
+import torch, when it is called).
 
 Without bf16 arithmetic units torch emulates bf16 on the CPU: measured 2026-12-02 on a 2-core AMD
 EPYC with AVX2 only, a SmolLM2-sized matmul (2048x576 @ 576x1536, 2 threads) ran at 1.2 GFLOPS in
