@@ -16,13 +16,30 @@ import signal
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable, Literal, NamedTuple
 
 import torch
 
 from learner.publish import WeightBucket
 
 Precision = Literal["fp32", "bf16", "fp8"]
+
+
+class EndedProcess(NamedTuple):
+    """One of an engine's own processes that is gone (``Engine.ended_processes``)."""
+
+    text: str
+    """Which process and how it ended, for a person."""
+    killed: bool
+    """Ended by a signal (from outside the engine), so it wrote no error of its own."""
+
+
+def _gone(process) -> bool:
+    """Whether a psutil process has ended (a zombie, or no longer there)."""
+    try:
+        return not process.is_running() or process.status() == "zombie"
+    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and the like: it ended meanwhile
+        return True
 
 
 def _signal_name(number: int) -> str:
@@ -139,24 +156,19 @@ class Engine(ABC):
         engines that run in other processes) is gone."""
         if isinstance(error, EngineDied):
             return True
-        return any(not p.is_running() or p.status() == "zombie" for p in getattr(self, "_engine_processes", ()))
+        return any(_gone(p) for p in getattr(self, "_engine_processes", ()))
 
-    def ended_processes(self) -> list[str]:
+    def ended_processes(self) -> list[EndedProcess]:
         """The engine's own processes that are gone, for a person: name, pid and, where the engine
         kept it, how each ended (``_exit_codes``: "was killed by SIGKILL", "exited with code 1").
         Empty for an engine inside the worker's process."""
         codes = self._exit_codes()
-        gone = []
-        for p in getattr(self, "_engine_processes", ()):
-            try:
-                alive = p.is_running() and p.status() != "zombie"
-            except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and the like: gone
-                alive = False
-            if not alive:
-                code = codes.get(p.pid)
-                how = "ended" if code is None else f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-                gone.append(f"its {self._engine_marker} process (pid {p.pid}) {how}")
-        return gone
+        ended = []
+        for p in filter(_gone, getattr(self, "_engine_processes", ())):
+            code = codes.get(p.pid)
+            how = "ended" if code is None else f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            ended.append(EndedProcess(f"its {self._engine_marker} process (pid {p.pid}) {how}", code is not None and code < 0))
+        return ended
 
     def _exit_codes(self) -> dict[int, int]:
         """pid -> exit code (negative: the signal) of the engine's own processes that ended, where

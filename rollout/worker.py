@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine import Completion, EngineDied, SamplingParams, mix_seed
+from rollout.engine import Completion, EngineDied, EndedProcess, SamplingParams, mix_seed
 from rollout.engines import make_engine
 from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
@@ -88,7 +88,7 @@ def _root_cause_in_own_log(max_bytes: int = 262_144, max_lines: int = 400) -> st
     return None
 
 
-def _cause(err: BaseException, ended: list[str] = ()) -> str:
+def _cause(err: BaseException, ended: list[EndedProcess] = ()) -> str:
     """An engine error for a person: its type and message and, when it only points at a stack trace
     nobody sees, what the engine's processes say: one killed by a signal (``ended``), else the
     root cause its engine process wrote to the worker's log, else which ended and how; then the
@@ -99,7 +99,7 @@ def _cause(err: BaseException, ended: list[str] = ()) -> str:
     tail = " | ".join(" ".join(f.split()) for f in frames[-3:])
     text = f"{type(err).__name__}: {err}"
     if any(p in text for p in POINTERS):
-        killed = [e for e in ended if " was killed by " in e]
+        killed = [e.text for e in ended if e.killed]
         root = None if killed else _root_cause_in_own_log()  # a kill from outside wrote no error: older log lines are not its cause
         if killed:
             text = (f"{' and '.join(killed)} (from outside the engine: a signal, or the kernel's out-of-memory killer, which "
@@ -107,7 +107,7 @@ def _cause(err: BaseException, ended: list[str] = ()) -> str:
         elif root:
             text = f"{root} (the engine process's error; it raised {text})"
         elif ended:
-            text = f"{' and '.join(ended)} without writing an error to the worker's log; the engine raised {text}"
+            text = f"{' and '.join(e.text for e in ended)} without writing an error to the worker's log; the engine raised {text}"
     return text + (f" (at: {tail})" if tail else "")
 
 

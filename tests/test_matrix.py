@@ -15,6 +15,7 @@ import pytest
 
 from controller.app import train
 from controller.config import PRESETS, load_config
+from tests.test_controller_e2e import records
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -54,10 +55,6 @@ def data(tmp_path_factory) -> Path:
     (folder / "dapo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dapo))
     (folder / "aime.jsonl").write_text("".join(json.dumps(r) + "\n" for r in aime))
     return folder
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])

@@ -15,14 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_controller_e2e import records
 from tests.test_readme_commands import DRPO, readme_commands
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def first_step_samples(run_dir: Path) -> dict:
