@@ -6,6 +6,10 @@ on GPU (tensors move GPU to GPU) or ProcessGroupGloo on CPU, built directly so n
 join the other's default torch.distributed world. Each WeightBucket is sent as three broadcasts:
 the metadata length, the metadata (JSON: version, index, last, names, dtypes, shapes) and one flat
 byte buffer of all its tensors, so a bucket costs three collectives whatever its tensor count.
+NCCL is used only when every member holds a CUDA device of its own: NCCL refuses two ranks on one
+GPU ("Duplicate GPU detected"), so a learner and an engine sharing a GPU (fractional GPUs), or a
+member on the CPU, make the group gloo, through host memory. Every member decides alike, from the
+devices all of them post to the rendezvous store.
 Sends are asynchronous with one bucket in flight: the publisher exports and packs bucket k+1 while
 bucket k travels, and the receiver takes each tensor as a view of its bucket's buffer (no copy).
 """
@@ -13,6 +17,7 @@ bucket k travels, and the receiver takes each tensor as a view of its bucket's b
 from __future__ import annotations
 
 import json
+import socket
 import time
 from datetime import timedelta
 
@@ -31,17 +36,22 @@ class WeightBroadcastGroup:
         socket from ``learner.distributed.listen``, if given). All ranks must call."""
         self.rank, self.world_size = rank, world_size
         self._in_flight: list = []
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timeout = timedelta(seconds=timeout_s)
         bind_gloo_to(host)
         self._store = rendezvous(host, port, world_size, rank, timeout, listener)
+        self.backend = backend or choose_backend(self._exchange_devices())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout  # NCCL's own default is 10 minutes
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+
+    def _exchange_devices(self) -> list[str]:
+        """Every member's device (``device_id``), posted to and read from the rendezvous store."""
+        self._store.set(f"device/{self.rank}", device_id())
+        return [self._store.get(f"device/{r}").decode() for r in range(self.world_size)]
 
     def _broadcast(self, tensor: torch.Tensor):
         """Start one broadcast from rank 0; returns its work (``_finish`` it)."""
@@ -115,6 +125,22 @@ class WeightBroadcastGroup:
             received.append(self.receive())
         return received
 
+
+
+def device_id() -> str:
+    """This process's broadcast device: "cuda:<the GPU's UUID>" (unique across hosts), or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"cuda:{uuid}" if uuid is not None else f"cuda:{socket.gethostname()}/{index}"
+
+
+def choose_backend(devices: list[str]) -> str:
+    """nccl when every member has a CUDA device and no two share one, else gloo (NCCL refuses two
+    ranks on one GPU, and a CPU member cannot join an NCCL group)."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    return "nccl" if len(cuda) == len(devices) and len(set(cuda)) == len(cuda) else "gloo"
 
 
 class Membership:

@@ -34,25 +34,30 @@ def sample_categorical(logp: torch.Tensor, generators: list[torch.Generator] | N
     64 x 49,152). ``generators``: one per row (seeded sampling), else torch's global stream."""
     cdf = logp.double().exp_().cumsum_(dim=-1)
     if generators is None:
-        u = torch.rand((logp.shape[0], 1), dtype=torch.float64)
-    else:
-        u = torch.cat([torch.rand((1, 1), dtype=torch.float64, generator=g) for g in generators])
+        u = torch.rand((logp.shape[0], 1), dtype=torch.float64, device=logp.device)
+    else:  # the generators are CPU streams (seeded the same on every device); the draws move to logp's
+        u = torch.cat([torch.rand((1, 1), dtype=torch.float64, generator=g) for g in generators]).to(logp.device)
     u = u * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logp.shape[-1] - 1)
 
 
 class HFEngine(Engine):
-    def __init__(self, model_folder: str, precision: Precision = "fp32", version: int = 0, num_threads: int | None = None):
+    def __init__(
+        self, model_folder: str, precision: Precision = "fp32", version: int = 0, num_threads: int | None = None, device: str | None = None,
+    ):
+        """``device``: where the model runs; None = the first CUDA device this process sees (a Ray
+        worker given a GPU sees its own), else the CPU. Completions always come back on the CPU."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
         self.precision = precision
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=dtype, attn_implementation="eager").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=dtype, attn_implementation="eager").eval().to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
         self.eos_ids = self._eos_ids()
-        self._eos = torch.tensor(self.eos_ids)
+        self._eos = torch.tensor(self.eos_ids, device=self.device)
         # transformers renamed past_key_values to cache (the old name goes in 5.40); support both
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -136,13 +141,13 @@ class HFEngine(Engine):
         width = max(len(p) for p in prompts)
         # the prompts are prefilled once each; their KV cache and first logits are then repeated
         # for the n samples (each prompt's n rows are identical until the first sampled token)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         seeds = params.row_seeds(len(prompts))
         gen = [torch.Generator().manual_seed(s) for s in seeds] if seeds is not None else None
         tokens, logps, versions, tops = [], [], [], []
         self._routing.take()
-        done = torch.zeros(len(rows), dtype=torch.bool)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         past, step_input = None, ids
         for step in range(params.max_new_tokens):
             if on_step is not None:
@@ -174,11 +179,13 @@ class HFEngine(Engine):
         return self._package(prompts, params, rows, tokens, logps, versions, tops, width, prompt_version)
 
     def _package(self, prompts, params, rows, tokens, logps, versions, tops, width: int, prompt_version: int) -> list[list[Completion]]:
-        tokens, logps, versions = torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(versions, 1)
+        tokens, logps, versions = (torch.stack(x, 1).cpu() for x in (tokens, logps, versions))
+        tops = [torch.return_types.topk((t.values.cpu(), t.indices.cpu())) for t in tops]
+        eos = self._eos.cpu()
         out: list[list[Completion]] = [[] for _ in prompts]
         lengths, stopped = [], []
         for i in range(len(rows)):
-            hits = torch.isin(tokens[i], self._eos).nonzero()
+            hits = torch.isin(tokens[i], eos).nonzero()
             lengths.append(int(hits[0]) + 1 if len(hits) else tokens.shape[1])
             stopped.append(len(hits) > 0)
         calls = self._routing.take()

@@ -31,7 +31,7 @@ class RoutingRecorder:
         return self.layers > 0
 
     def _hook(self, module, args, output) -> None:
-        self._layer.append(output[2].to(torch.int16))
+        self._layer.append(output[2].to("cpu", torch.int16))  # a record for the CPU-side completion
         if len(self._layer) == self.layers:
             self.calls.append(torch.stack(self._layer, dim=1))
             self._layer = []

@@ -63,4 +63,4 @@ def broadcast(rank: int, world: int, port: int, data_path: str, out_path: str) -
     else:
         version, merged = publish.assemble(group.receive_publication())
         # the received tensors are typed views of one buffer per bucket, which torch.save refuses
-        torch.save({"version": version, "weights": {n: t.clone() for n, t in merged.items()}}, out_path)
+        torch.save({"version": version, "weights": {n: t.clone() for n, t in merged.items()}, "backend": group.backend}, out_path)

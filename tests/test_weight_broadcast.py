@@ -25,8 +25,20 @@ def test_broadcast_group_delivers_every_tensor_bit_exactly(tmp_path):
     mp.spawn(distributed_cases.broadcast, args=(2, free_port(), str(data), str(out)), nprocs=2, join=True)
     got = torch.load(out, weights_only=True)
     assert got["version"] == 4 and got["weights"].keys() == weights.keys()
+    assert got["backend"] == "gloo"  # both members posted "cpu" to the rendezvous store
     for name, tensor in weights.items():
         assert got["weights"][name].dtype == tensor.dtype and torch.equal(got["weights"][name], tensor), name
+
+
+def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
+    from learner.broadcast import choose_backend
+
+    assert choose_backend(["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"]) == "nccl"
+    # a learner and an engine on one GPU (fractional GPUs): NCCL would refuse "Duplicate GPU detected"
+    assert choose_backend(["cuda:GPU-a", "cuda:GPU-a"]) == "gloo"
+    assert choose_backend(["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-a"]) == "gloo"
+    assert choose_backend(["cuda:GPU-a", "cpu"]) == "gloo"  # an engine on the CPU cannot join NCCL
+    assert choose_backend(["cpu", "cpu"]) == "gloo"
 
 
 def test_only_rank_zero_sends():
