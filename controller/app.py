@@ -15,7 +15,8 @@ from controller.artifacts import export_run
 from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
 from controller.hardware import cuda_gpus, resolve_precision
 from controller.loggers import build as build_loggers
-from controller.loop import Controller, checkpoint_step, latest_checkpoint
+from controller.checkpoints import checkpoint_step, latest_checkpoint
+from controller.loop import Controller
 from controller.run_folder import check_shared, holding, prepare, settle_aside
 from controller.stop import StopRequest
 from controller.telemetry import Telemetry

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from controller.config import ConfigError, RunConfig, load_config
-from controller.loop import checkpoint_folder, checkpoint_step, complete_checkpoints
+from controller.checkpoints import checkpoint_folder, checkpoint_step, complete_checkpoints
 from learner.checkpoint import CheckpointError
 
 

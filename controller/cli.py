@@ -101,7 +101,7 @@ def _train_holding(args: argparse.Namespace, held: ExitStack) -> int:
         try:
             return _run(cfg, args, stop)
         except Interrupted as err:
-            from controller.loop import checkpoint_step, latest_checkpoint
+            from controller.checkpoints import checkpoint_step, latest_checkpoint
 
             last = latest_checkpoint(cfg.run_dir)
             where = f"its checkpoint of step {checkpoint_step(last)}" if last else "the start (no checkpoint yet)"

@@ -95,7 +95,7 @@ def evaluate_run(run_dir: str | Path, step: int | None, cfg: RunConfig) -> tuple
     """A run checkpoint under ``cfg`` (the run's own config, --set overrides applied); returns the
     result and the checkpoint folder evaluated."""
     from controller.artifacts import export_run, step_folder
-    from controller.loop import checkpoint_step
+    from controller.checkpoints import checkpoint_step
 
     folder = step_folder(run_dir, step)
     with tempfile.TemporaryDirectory(prefix="drpo-eval-model-") as scratch:

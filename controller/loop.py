@@ -12,14 +12,11 @@ rollout that would expire after it has finished) or dropped at consumption; eith
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import objectives
+from controller import checkpoints
 from controller.backend import Backend, Events, TrainResult
 from controller.batch import Batch, BatchBuilder
 from controller.config import RunConfig, dump
@@ -29,13 +26,8 @@ from controller.staleness import StalenessManager
 from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
 from controller.watchdog import Watchdog, stall_account
-from learner.checkpoint import CheckpointError, fsync_folder, write_durable
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.tasks import Problem
-
-STATE_FILE = "controller.json"
-CONFIG_FILE = "config.yaml"
-
 
 class RolloutsFailing(RuntimeError):
     """Every rollout failed for ``train.max_failures_in_a_row`` groups or ``train.max_failing_seconds``;
@@ -372,7 +364,7 @@ class Controller:
         self.telemetry.stopped(self.stop.name, self.step, self.checkpointed, self.abandoned)
 
     def checkpoint(self) -> Path:
-        """Write ``checkpoints/step-N`` atomically: the learner's state and the controller's.
+        """Write ``checkpoints/step-N`` (controller/checkpoints.py): the learner's state and the controller's.
 
         Buffered and in-flight groups are not saved: their prompts are re-queued (drawn first on
         resume), since none was trained on. Admission counters are saved as trained-only, so a
@@ -380,52 +372,22 @@ class Controller:
         from controller.run_folder import check_held, discard_aside
 
         check_held(self.cfg.run_dir)  # never write over another driver's run
-        root = Path(self.cfg.run_dir) / "checkpoints"
-        final = checkpoint_folder(self.cfg.run_dir, self.step)
-        tmp = root / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.backend.save(str(tmp))
         pending = sorted(self.in_flight, key=lambda t: self._start_bound(self.in_flight[t])) + [g.ticket for g in self.buffer]
         state = {
             "step": self.step, "version": self.version, "sampler": self.sampler.state_dict(pending),
             "ledger": self.ledger.state_dict(), "eval_history": self.eval_history, "eval_rounds": self.eval_rounds,
             "staleness": self.staleness.state_dict(requeued=len(self.buffer)),
         }
-        write_durable(tmp / CONFIG_FILE, dump(self.cfg))  # what --resume checks a changed config against
-        write_durable(tmp / STATE_FILE, json.dumps(state))  # last: a folder with it is complete
-        replaced = final.with_name(f"{REPLACED_PREFIX}{final.name}")
-        if final.exists():  # this step written again: the old copy goes only once the new one is in place
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            if replaced.exists() and not final.exists():
-                os.replace(replaced, final)
-            raise
-        fsync_folder(root)
-        shutil.rmtree(replaced, ignore_errors=True)
+        final = checkpoints.write(self.cfg.run_dir, self.step, lambda folder: self.backend.save(str(folder)), state, dump(self.cfg),
+                                  keep=self.cfg.checkpoint.keep)
         self.checkpointed = self.step
-        older = [p for p in checkpoint_folders(self.cfg.run_dir) if p != final]  # the one just written always stays
-        for old in older[: max(0, len(older) - (self.cfg.checkpoint.keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
         discard_aside(self.cfg.run_dir)  # an --overwrite's old run goes once this run has a checkpoint
         self.telemetry.checkpoint(final)
         return final
 
     def restore(self, folder: Path) -> None:
         """Continue from a checkpoint written by ``checkpoint`` (before anything is admitted)."""
-        path = Path(folder) / STATE_FILE
-        try:
-            state = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(
-                f"checkpoint state {path} is truncated or corrupt ({err}); resume from an earlier checkpoint by moving {Path(folder).name} "
-                "out of checkpoints/"
-            ) from None
-        except OSError as err:
-            raise CheckpointError(f"checkpoint state {path} is unreadable ({err})") from None
+        state = checkpoints.read_state(folder)
         self.step, self.version = int(state["step"]), int(state["version"])
         self.sampler.load_state_dict(state["sampler"])
         self.ledger.load_state_dict(state["ledger"])
@@ -433,47 +395,3 @@ class Controller:
         self.eval_history, self.eval_rounds = list(state["eval_history"]), int(state["eval_rounds"])
         self.checkpointed = self.step
         self.backend.load(str(folder), self.version)
-
-
-_STEP_RE = re.compile(r"step-\d+")
-REPLACED_PREFIX = ".old-"
-"""A checkpoint of the same step being replaced waits under this name until the new one is in place."""
-
-
-def recover_replaced(run_dir: str | Path) -> None:
-    """A driver that died between moving a step's old checkpoint away and renaming the new one in:
-    the old copy takes its place again (or goes, if the new one made it)."""
-    for old in (Path(run_dir) / "checkpoints").glob(f"{REPLACED_PREFIX}step-*"):
-        final = old.with_name(old.name.removeprefix(REPLACED_PREFIX))
-        if (final / STATE_FILE).is_file():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(old, final)
-
-
-def checkpoint_folder(run_dir: str | Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives (complete once it holds STATE_FILE)."""
-    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
-
-
-def checkpoint_step(folder: Path) -> int:
-    """The step of a checkpoint folder (the inverse of ``checkpoint_folder``)."""
-    return int(folder.name.removeprefix("step-"))
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Every complete checkpoint of a run folder, oldest step first."""
-    return [p for p in checkpoint_folders(run_dir) if (p / STATE_FILE).is_file()]
-
-
-def checkpoint_folders(run_dir: str | Path) -> list[Path]:
-    """Every ``checkpoints/step-N`` folder, complete or not, oldest step first; anything else there
-    (``step-000004.bad``, a user's own folder) is not a checkpoint."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir() and _STEP_RE.fullmatch(p.name)]
-    return sorted(found, key=checkpoint_step)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    done = complete_checkpoints(run_dir)
-    return done[-1] if done else None

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from controller.config import RunConfig, dotted, dump
-from controller.loop import CONFIG_FILE, STATE_FILE, checkpoint_folders, checkpoint_step, complete_checkpoints, recover_replaced
+from controller.checkpoints import CONFIG_FILE, STATE_FILE, checkpoint_folders, checkpoint_step, complete_checkpoints, recover_replaced
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_durable, write_storage_marker
 
 RUN_FILE = "run.json"

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from controller.ledger import audit
-from controller.loop import latest_checkpoint
+from controller.checkpoints import latest_checkpoint
 
 
 def assert_ledger_exact(run_dir: Path, train_ids: list[str], seed: int, steps: int, batch: int, eta: int) -> dict:

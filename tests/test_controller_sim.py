@@ -12,7 +12,8 @@ import pytest
 from controller.app import train
 from controller.config import RunConfig
 from controller.ledger import PromptSampler
-from controller.loop import Controller, latest_checkpoint
+from controller.checkpoints import latest_checkpoint
+from controller.loop import Controller
 from controller.simulation import SimulatedBackend
 from controller.staleness import StalenessViolation
 from controller.telemetry import Telemetry

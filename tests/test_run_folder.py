@@ -15,7 +15,7 @@ import pytest
 from controller.app import train
 from controller.cli import main
 from controller.config import ConfigError, load_config
-from controller.loop import complete_checkpoints
+from controller.checkpoints import complete_checkpoints
 from controller.run_folder import RunFolderError, StorageError, check_shared
 from controller.stop import Interrupted, StopRequest
 from learner.checkpoint import storage_probe
@@ -270,8 +270,9 @@ def test_a_truncated_checkpoint_state_is_named_at_resume(tmp_path, capsys):
 
 
 def test_a_checkpoint_of_the_same_step_replaces_the_old_one_only_once_it_is_complete(tmp_path, monkeypatch, capsys):
-    import controller.loop as loop
-    from controller.loop import Controller, checkpoint_folder
+    import controller.checkpoints as checkpoints
+    from controller.checkpoints import checkpoint_folder
+    from controller.loop import Controller
 
     run_dir = tmp_path / "run"
     assert drpo_train(run_dir, "--set", "train.steps=2", "--set", "checkpoint.every=1") == 0
@@ -300,7 +301,7 @@ def test_a_checkpoint_of_the_same_step_replaces_the_old_one_only_once_it_is_comp
     ctl.backend = Backend()
     ctl.sampler = ctl.ledger = ctl.staleness = None
     monkeypatch.setattr(Controller, "_start_bound", lambda self, f: 0)
-    monkeypatch.setattr(loop.os, "replace", replace)
+    monkeypatch.setattr(checkpoints.os, "replace", replace)
     ctl.in_flight, ctl.buffer, ctl.eval_history, ctl.eval_rounds, ctl.version = {}, [], [], 0, 2
 
     class State:
@@ -311,7 +312,7 @@ def test_a_checkpoint_of_the_same_step_replaces_the_old_one_only_once_it_is_comp
     with pytest.raises(Failing):
         ctl.checkpoint()
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before  # the old step-2 is whole
-    monkeypatch.setattr(loop.os, "replace", real)
+    monkeypatch.setattr(checkpoints.os, "replace", real)
     # a driver killed between the two renames: the next start puts the old copy back
     os.replace(final, final.with_name(".old-" + final.name))
     assert main(["train", *FAST, "--resume", str(run_dir), "--set", "train.steps=3"]) == 0

@@ -209,7 +209,7 @@ def main() -> None:
     from benchmarks.experiments.standin import build_standin
     from controller.backend import LearnerLost
     from controller.ledger import audit
-    from controller.loop import latest_checkpoint
+    from controller.checkpoints import latest_checkpoint
     from controller.stop import StopRequest
     from rollout.offline_model import materialize_smollm2
     from rollout.tasks import load_dataset
