@@ -8,7 +8,6 @@ Resources (how many CPUs/GPUs each actor takes) sit beside the component that us
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -494,36 +493,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config {path} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
-    _migrate(tree, str(path))
     for key, value in parse_overrides(list(overrides)):
-        if key in MOVED:
-            warnings.warn(f"--set {key}: {key} moved to {MOVED[key]}; read as {MOVED[key]}={value!r}", FutureWarning, stacklevel=2)
-            key = MOVED[key]
         _set_path(tree, key, value)
     return resolve_precision(validate(tree, source=f"{path} with the --set overrides" if overrides else str(path)))
 
 
-MOVED = {"train.anchor": "learner.anchor", "train.behaviour_weight_cap": "learner.behaviour_weight_cap"}
-"""Fields that moved (old dotted name -> new): config files written before the move still load,
-with a warning, so older run folders resume."""
-
-
-def _migrate(tree: dict, source: str) -> None:
-    for old, new in MOVED.items():
-        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
-        section = tree.get(old_section)
-        if isinstance(section, dict) and old_key in section:
-            value = section.pop(old_key)
-            target = tree.setdefault(new_section, {})
-            if isinstance(target, dict) and new_key in target and target[new_key] != value:
-                raise ConfigError(f"{source}: {old} ({value!r}) and {new} ({target[new_key]!r}) disagree; {old} moved to {new}")
-            if isinstance(target, dict):
-                target[new_key] = value
-            warnings.warn(f"{source}: {old} moved to {new}; read as {new}={value!r}", FutureWarning, stacklevel=3)
-
-
 def validate(tree: dict, source: str = "config") -> RunConfig:
-    _migrate(tree, source)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:

@@ -2,12 +2,10 @@
 /proc/cpuinfo, without importing torch), and how many CUDA GPUs it has (``cuda_gpus``, which does
 import torch, when it is called).
 
-Without bf16 arithmetic units torch emulates bf16 on the CPU: measured 2026-12-02 on a 2-core AMD
-EPYC with AVX2 only, a SmolLM2-sized matmul (2048x576 @ 576x1536, 2 threads) ran at 1.2 GFLOPS in
-bf16 against 86 in fp32, and the hf engine generated 8x8 arithmetic answers in 29 s in bf16
-against 11 s in fp32; on the Intel machines with AMX the same matmul ran at ~1,000 GFLOPS in bf16
-against ~210 in fp32. So the embedded presets say ``auto``, and it is resolved once, when the
-config is loaded, into what config.yaml then records.
+Without bf16 arithmetic units torch emulates bf16 on the CPU, far slower than fp32; with them
+(AMX, AVX-512 BF16) bf16 is faster (README, "Precision", has the measured figures). So the
+embedded presets say ``auto``, and it is resolved once, when the config is loaded, into what
+config.yaml then records.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class RayBackend(Backend):
         sampling = {
             "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
             "topk_logprobs": objectives.required_topk(cfg.learner.objective),
-            "seed": cfg.seed,  # each engine call's seed derives from it (rollout/worker.py call_seed)
+            "seed": cfg.seed,  # each engine call's seed derives from it (RolloutWorker._params, rollout/worker.py)
         }
         eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature}  # greedy: per eval ticket
         engine_kwargs = dict(ro.engine_kwargs)

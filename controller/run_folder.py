@@ -402,6 +402,11 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     at step 0 in the same folder)."""
     if not (run_dir / RUN_FILE).is_file() and not (run_dir / CONFIG_FILE).is_file():
         raise RunFolderError(f"--resume: {run_dir} is not a drpo run folder (no {RUN_FILE} or {CONFIG_FILE})")
+    if not (run_dir / RUN_FILE).is_file():
+        raise RunFolderError(
+            f"--resume: {run_dir} has a {CONFIG_FILE} but no {RUN_FILE}: it was written by a drpo that gave runs no id, and this "
+            "one cannot continue it. Start a new run (another run_dir, or --overwrite)"
+        )
     done = complete_checkpoints(run_dir)
     checkpoint = done[-1] if done else None
     if checkpoint is None and checkpoint_folders(run_dir):
@@ -414,8 +419,6 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
             f"--resume: {run_dir} is already at step {checkpoint_step(checkpoint)} (train.steps is {cfg.train.steps}); "
             f"to train further, raise it: --set train.steps=N"
         )
-    if not (run_dir / RUN_FILE).is_file():  # a folder from before run ids
-        _new_identity(run_dir)
     (run_dir / CONFIG_FILE).write_text(dump(cfg))
     return checkpoint
 
@@ -432,7 +435,7 @@ def check_compatible(saved: dict, config: dict, source: Path) -> None:
     task = saved.get("task") or {}
     if task.get("type", "arithmetic") == "arithmetic" and "extra_eval_size" not in task:
         raise RunFolderError(
-            f"--resume: {source} was written before the arithmetic task kept its eval facts out of training (2026-12-01): "
+            f"--resume: {source} was written by a drpo whose arithmetic task drew training prompts from its eval facts: "
             "this version generates other training prompts under the same ids, so the run cannot continue its prompt "
             "ledger. Start a new run (another run_dir, or --overwrite)"
         )

@@ -47,10 +47,6 @@ class Publication:
     error: str | None = None
     """Why a broadcast failed (the group is then gone; the publication did not reach every engine)."""
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
-
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], version: int, max_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
     """Group (name, tensor) pairs into WeightBuckets of at most ``max_bytes`` each."""

@@ -87,10 +87,6 @@ class Group:
             raise ValueError(f"group {self.ticket} has neither samples nor an error")
 
     @property
-    def problem_id(self) -> str:
-        return self.ticket.id
-
-    @property
     def scores(self) -> tuple[float, ...]:
         """Correctness per sample (1.0 or 0.0): accuracy and evaluation."""
         return tuple(s.reward.score for s in self.samples)

@@ -25,7 +25,6 @@ import re
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol
 
 from rollout.answers import extract, is_computation, is_literal, is_too_large
 
@@ -47,10 +46,6 @@ class RewardResult:
     def value(self) -> float:
         """The reward trained on: correctness plus shaping."""
         return self.score + self.shaping
-
-
-class RewardFn(Protocol):
-    def __call__(self, completion: str, ground_truth: str) -> RewardResult: ...
 
 
 def literal_value(answer: str) -> Fraction:

@@ -109,22 +109,15 @@ def test_cli_reports_a_bad_config_and_exits_2(capsys):
     assert "train.prompts_per_step" in capsys.readouterr().err
 
 
-def test_a_config_written_before_the_anchor_moved_to_the_learner_still_loads(tmp_path):
-    """Run folders keep the config they were started with; --resume must read the old field names."""
+def test_a_field_in_the_wrong_section_is_named_with_its_section(tmp_path):
+    """No field is read under another name: one in the wrong section is refused, by its dotted name."""
     old = tmp_path / "config.yaml"
-    old.write_text("train: {steps: 3, anchor: decoupled, behaviour_weight_cap: 2.0}\n")
-    with pytest.warns(FutureWarning, match=r"train\.\w+ moved to learner\."):
-        cfg = load_config(old)
-    assert (cfg.learner.anchor, cfg.learner.behaviour_weight_cap, cfg.train.steps) == ("decoupled", 2.0, 3)
-    assert load_config(old, ["learner.anchor=bypass"]).learner.anchor == "bypass"  # an override wins over the file
-    with pytest.warns(FutureWarning, match="--set train.anchor: train.anchor moved to learner.anchor"):
-        assert load_config(None, ["train.anchor=decoupled"]).learner.anchor == "decoupled"
-    with pytest.raises(ConfigError, match="default.yaml with the --set overrides is invalid:\n  learner.anchor"), pytest.warns(FutureWarning):
-        load_config(None, ["train.anchor=decoupld"])  # a typo is named as the field's error, not a conflict
-    both = tmp_path / "both.yaml"
-    both.write_text("train: {anchor: decoupled}\nlearner: {anchor: bypass}\n")
-    with pytest.raises(ConfigError, match="disagree"):
-        load_config(both)
+    old.write_text("train: {steps: 3, anchor: decoupled}\n")
+    with pytest.raises(ConfigError, match=r"is invalid:\n  train\.anchor: Extra inputs are not permitted"):
+        load_config(old)
+    with pytest.raises(ConfigError, match=r"with the --set overrides is invalid:\n  train\.anchor: Extra inputs"):
+        load_config(None, ["train.anchor=decoupled"])
+    assert load_config(None, ["learner.anchor=decoupled"]).learner.anchor == "decoupled"
 
 
 def test_a_run_records_the_precision_it_resolved_never_auto(tmp_path):

@@ -256,6 +256,10 @@ def test_resume_of_a_folder_that_is_not_a_run_is_refused(tmp_path):
     cfg = sim_config(tmp_path, steps=1)
     with pytest.raises(RunFolderError, match="is not a drpo run folder"):
         train(cfg, resume=True)
+    train(cfg)
+    (Path(cfg.run_dir) / "run.json").unlink()  # as a drpo that gave runs no id left its folders
+    with pytest.raises(RunFolderError, match="has a config.yaml but no run.json: .* cannot continue it. Start a new run"):
+        train(cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 2})}), resume=True)
 
 
 def test_a_truncated_checkpoint_state_is_named_at_resume(tmp_path, capsys):
