@@ -38,6 +38,12 @@ ASYNC_STEPS = 4
 def async_run(ray_local, tiny_chat_model, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("async")
     cfg = run_config(tmp_path, tiny_chat_model, steps=ASYNC_STEPS)
+    # Over-long shaping gives this model's groups reward variance (a reply cut at 3 tokens against one
+    # that ended). Without it nearly every group scores all 0 on the arithmetic task and
+    # the zero-variance filter drops it; the few kept were the last admitted, under the newest
+    # version, so async trained no lag-1 sample.
+    ro = cfg.rollout
+    cfg = cfg.model_copy(update={"rollout": ro.model_copy(update={"scoring": ro.scoring.model_copy(update={"overlong_penalty": 0.5})})})
     return cfg, train(cfg), tmp_path / "run"
 
 
@@ -48,12 +54,11 @@ def test_async_steps_advance_versions_and_log_the_gap_by_lag(async_run):
     assert result.ledger_counts["trained"] == ASYNC_STEPS * cfg.train.prompts_per_step
     assert all(s["staleness/lag_max"] <= 1 for s in steps)
     lagged = [s for s in steps if s["staleness/lag_mean"] > 0]
-    # Not asserted: on this tiny model the run stopped training lag-1 samples (the
-    # rollout no longer gets a version ahead; cause not found yet). What is reported is checked below.
+    assert lagged and sum(s["staleness/lag_hist/bin_1"] for s in steps) >= 1  # async ran ahead: lag-1 samples were trained
     # numerics (lag 0) and staleness (lag >= 1) are reported apart; stale tokens saw older weights
     assert all(math.isfinite(s["gap/numerics/abs_shift_mean"]) for s in steps if s["staleness/lag_hist/bin_0"] > 0)
     stale = [s["gap/staleness/abs_shift_mean"] for s in lagged]
-    assert all(math.isfinite(v) for v in stale) and (not stale or max(stale) > 0)
+    assert all(math.isfinite(v) for v in stale) and max(stale) > 0
     assert steps[0]["gap/abs_shift_mean"] < 1e-4  # same fp32 weights in engine and learner at version 0
     assert all(math.isfinite(s["objective/corrective_frac"]) and math.isfinite(s["learner/grad_norm"]) for s in steps)
     evals = records(run_dir, "eval")
