@@ -76,7 +76,7 @@ class Controller:
             if len(set(ids)) != len(ids):
                 dup = sorted({i for i in ids if ids.count(i) > 1})
                 raise ValueError(f"eval set {name!r} has repeated problem ids ({', '.join(dup[:5])}); evaluation results are matched by id")
-        self.test = bool(self.eval_sets)
+        self.evaluates = bool(self.eval_sets)  # False: no eval set, nothing to evaluate
         """Whether there is anything to evaluate."""
         self.step = self.version = 0
         self.batch_size = cfg.train.prompts_per_step
@@ -117,7 +117,7 @@ class Controller:
         (or a stop is requested: then ``wind_down``)."""
         self.stop.graceful = True
         self.watchdog.progress(self.backend.now())
-        if self.cfg.eval.at_start and self.step == 0 and self.test:
+        if self.cfg.eval.at_start and self.step == 0 and self.evaluates:
             began = self.backend.now()
             self.evaluate(blocking=True)
             self.telemetry.startup_phase(first_eval_seconds=self.backend.now() - began)
@@ -130,7 +130,7 @@ class Controller:
         if self.stop.requested:
             self.wind_down()
             return
-        if self.test:
+        if self.evaluates:
             self.evaluate(blocking=True)
         self.checkpoint()
 
@@ -270,7 +270,7 @@ class Controller:
         self.telemetry.rollouts(self.step, done.groups)
         self.telemetry.step(StepReport(
             step=self.step, version=self.version, result=result, rewards=[r for g in done.groups for r in g.rewards],
-            scores=[s for g in done.groups for s in g.scores], reasons=[s.reward.reason.split(":")[0] for g in done.groups for s in g.samples],
+            scores=[s for g in done.groups for s in g.scores], reasons=[s.reward.reason for g in done.groups for s in g.samples],
             response_tokens=[len(s.completion.response_ids) for g in done.groups for s in g.samples],
             truncated=[s.completion.finish_reason == "length" for g in done.groups for s in g.samples],
             lags=done.batch.lags, batch_metrics=done.batch.metrics, published=published, staleness=stats,
@@ -279,7 +279,7 @@ class Controller:
         ))
         if self.stop.requested:
             return  # wind_down checkpoints; no evaluation on the way out
-        if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.test:
+        if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < self.cfg.train.steps and self.evaluates:
             self.evaluate(blocking=not self.cfg.eval.concurrent)
         if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < self.cfg.train.steps:
             self.checkpoint()

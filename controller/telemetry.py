@@ -92,7 +92,7 @@ class Telemetry:
                 self._rollouts.write(json.dumps({
                     "step": step, "prompt_id": g.ticket.id, "epoch": g.ticket.epoch, "sample": j,
                     "response": s.text, "response_ids": c.response_ids.tolist(), "reward": s.reward.value, "score": s.reward.score,
-                    "reason": s.reward.reason, "finish": c.finish_reason, "prompt_version": c.prompt_version,
+                    "reason": s.reward.reason, **({"reason_detail": s.reward.detail} if s.reward.detail else {}), "finish": c.finish_reason, "prompt_version": c.prompt_version,
                     "versions": [int(c.versions.min()), int(c.versions.max())] if len(c.versions) else None,
                 }, allow_nan=True) + "\n")
         self._rollouts.flush()

@@ -37,8 +37,8 @@ from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
 class StepMetrics:
     """What one optimizer step reports (floats, namespaced keys in ``values``)."""
 
-    step: int
-    """Optimizer updates so far."""
+    updates: int
+    """Optimizer updates so far (a controller step, one rollout batch, takes train.mini_batches of them)."""
     version: int
     """The policy version after the batch (one per rollout batch, however many updates)."""
     loss: float
@@ -226,7 +226,7 @@ class Learner:
         values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
         values.update({"learner/grad_norm_max": max(norms), "learner/updates": len(mini_batches)})
         return StepMetrics(
-            step=self.step_count, version=self.version, loss=float(loss.mean()), grad_norm=sum(norms) / len(norms),
+            updates=self.step_count, version=self.version, loss=float(loss.mean()), grad_norm=sum(norms) / len(norms),
             lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
         )
 

@@ -1,4 +1,4 @@
-"""The inference-engine interface every rollout backend implements (hf, vllm, sglang).
+"""The inference-engine interface every rollout backend implements (hf, vllm, sglang), and ``make_engine``.
 
 An engine samples n completions per prompt and reports, for every sampled token, the behaviour
 log-prob mu of that token under the distribution it was *actually sampled from* (temperature
@@ -268,3 +268,25 @@ def tensor_checksum(t: torch.Tensor) -> str:
     """SHA-1 of a tensor's bytes, dtype and shape included: equal only for bit-identical tensors."""
     flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     return hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode() + flat.numpy().tobytes()).hexdigest()
+
+
+ENGINES = ("hf", "vllm", "sglang")
+
+
+def make_engine(kind: str, model_folder: str, precision: Precision = "fp32", **kwargs) -> Engine:
+    """Build the named engine; each engine module (which imports this one) is imported only when chosen."""
+    if precision == "auto":  # resolved where the run config is loaded (controller/hardware.py), never here
+        raise ValueError("engine precision 'auto' reached the engine unresolved; resolve it with controller.hardware.resolve_precision")
+    if kind == "hf":
+        from rollout.hf_engine import HFEngine
+
+        return HFEngine(model_folder, precision=precision, **kwargs)
+    if kind == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_folder, precision=precision, **kwargs)
+    if kind == "sglang":
+        from rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_folder, precision=precision, **kwargs)
+    raise ValueError(f"unknown engine {kind!r}; expected one of {', '.join(ENGINES)}")

@@ -41,6 +41,8 @@ class RewardResult:
     """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
     shaping: float = 0.0
     """Added to ``score`` for training (over-long shaping: <= 0); correctness stays ``score``."""
+    detail: str | None = None
+    """What more there is to say about ``reason``: for ``error``, the exception's type."""
 
     @property
     def value(self) -> float:

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.engine import Completion, EngineDied, EndedProcess, SamplingParams, mix_seed
-from rollout.engines import make_engine
+from rollout.engine import Completion, EngineDied, EndedProcess, SamplingParams, make_engine, mix_seed
 from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
 from rollout.tasks import Problem
@@ -475,4 +474,4 @@ class RolloutWorker:
                 raise RuntimeError("chaos: injected reward failure")
             return self.reward(text, truth)
         except Exception as err:
-            return RewardResult(0.0, None, f"error: {type(err).__name__}")
+            return RewardResult(0.0, None, "error", detail=type(err).__name__)

@@ -86,9 +86,13 @@ def test_killed_rollout_workers_restart_with_current_weights_and_lose_nothing(ra
 def test_bad_engine_output_empty_responses_and_failing_rewards_are_recorded(ray_local, tiny_chat_model, tmp_path):
     cfg = run_config(tmp_path, tiny_chat_model, steps=4)
     chaos = ChaosConfig(nan_logp_rate=0.25, empty_response_rate=0.1, reward_error_rate=0.1, seed=1)
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"chaos": chaos})})
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"chaos": chaos}), "metrics": cfg.metrics.model_copy(update={"rollouts": True})})
     train(cfg)
     state = exact(cfg)
+    # a reward that raised scores 0 with reason "error" and the exception's type beside it
+    failed = [r for r in map(json.loads, (Path(cfg.run_dir) / "rollouts.jsonl").read_text().splitlines()) if r["reason"] == "error"]
+    assert failed and all(r["reason_detail"] == "RuntimeError" and r["score"] == 0 for r in failed)
+    assert sum(s["reward/reason/error"] for s in records(Path(cfg.run_dir), "step")) > 0
     reasons = [e["reason"] for e in state["ledger"] if e["outcome"] == "failed"]
     assert any("NaN or inf" in r for r in reasons)
     assert all(r.startswith(("engine returned NaN", "every response is empty")) for r in reasons)
