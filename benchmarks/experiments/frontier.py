@@ -29,7 +29,8 @@ import yaml
 
 from benchmarks.experiments.frontier_grid import Cell, calibration_cells, cells
 from benchmarks.experiments.frontier_report import plot, report, write_docs
-from benchmarks.experiments.run import HERE, _overrides, run_cells
+from benchmarks.experiments.reporting import overrides
+from benchmarks.experiments.run import HERE, run_cells
 
 
 ARCHIVE = Path(__file__).resolve().parents[2] / "docs" / "results" / "frontier.jsonl"
@@ -42,7 +43,7 @@ def base_overrides(grid: dict, cell: Cell) -> list[str]:
     """The overrides a cell runs with before its own (the grid's base, and the calibration base for a
     calibration cell); the model's path is not among them (it is this machine's)."""
     calib = grid.get("calibration", {})
-    return [*_overrides(grid["base"]), *(_overrides(calib.get("base", {})) if cell.calibration else [])]
+    return [*overrides(grid["base"]), *(overrides(calib.get("base", {})) if cell.calibration else [])]
 
 
 def read_archive(path: Path | None, grid: dict) -> tuple[dict[str, dict], list[dict]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from benchmarks.experiments.run import _overrides
+from benchmarks.experiments.reporting import overrides
 
 BASE = "base"
 
@@ -40,8 +40,8 @@ class Cell:
                 "overrides": list(self.overrides)}
 
 
-def rung_label(overrides: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items())
+def rung_label(values: dict) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items())
 
 
 def rungs(grid: dict) -> list[tuple[str, int, dict]]:
@@ -76,8 +76,8 @@ def cells(grid: dict, only: set[str] | None = None, slices: list[str] | None = N
                 continue
             for seed in grid["seeds"]:
                 setting = BASE if rung == 0 else f"{dimension}{rung}"
-                over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
-                             *_overrides(over), f"seed={seed}"]
+                over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *overrides(obj.get("overrides", {})),
+                             *overrides(over), f"seed={seed}"]
                 out.append(Cell(f"{obj['name']}-{setting}-s{seed}", obj["name"], dimension, rung, rung_label(over) or "base",
                                 seed, tuple(over_cell), model))
     return out
@@ -100,8 +100,8 @@ def calibration_cells(grid: dict) -> list[Cell]:
     for obj in (by_name[n] for n in names):
         for key in cal["rungs"]:
             dimension, rung, over = by_key[key]
-            over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *_overrides(obj.get("overrides", {})),
-                         *_overrides(over), f"seed={cal['seed']}"]
+            over_cell = [f"learner.objective={json.dumps(obj['objective'])}", *overrides(obj.get("overrides", {})),
+                         *overrides(over), f"seed={cal['seed']}"]
             setting = BASE if rung == 0 else f"{dimension}{rung}"
             out.append(Cell(f"smollm2-{obj['name']}-{setting}-s{cal['seed']}", obj["name"], dimension, rung, rung_label(over) or "base",
                             cal["seed"], tuple(over_cell), "smollm2", calibration=True))

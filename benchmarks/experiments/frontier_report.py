@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.experiments.frontier_grid import BASE, calibration_cells, cells, labels_of
-from benchmarks.experiments.run import COLLAPSE_DROP, _fmt, _largest, _markdown, _mean, _sd, copy_assets, replace_block
+from benchmarks.experiments.reporting import COLLAPSE_DROP, copy_assets, fmt, largest, markdown, mean, replace_block, se
 
 RESULTS_BEGIN, RESULTS_END = "<!-- frontier:begin (written by benchmarks/experiments/frontier.py --docs) -->", "<!-- frontier:end -->"
 
@@ -101,10 +101,6 @@ start) or the training reward gain (mean of the last 5 steps minus the first 5: 
 the training prompts, where an unstable optimization shows first)."""
 
 
-def _se(xs: list[float]) -> float | None:
-    return (_sd(xs) / math.sqrt(len(xs))) if len(xs) > 1 else None
-
-
 def cell_stats(rs: list[dict], base: list[dict] | None, metric=_gain, learning: str = "heldout") -> dict:
     """One (objective, rung): means over seeds, and the paired change of ``metric`` against the
     same objective's base cells (same seeds)."""
@@ -112,23 +108,23 @@ def cell_stats(rs: list[dict], base: list[dict] | None, metric=_gain, learning: 
     heldout = [g for g in map(_gain, rs) if g is not None]
     rewards = [g for g in map(_reward_gain, rs) if g is not None]
     out = {
-        "seeds": len(rs), "gain": _mean(gains), "gain_se": _se(gains), "heldout_gain": _mean(heldout), "heldout_gain_se": _se(heldout),
-        "reward_gain": _mean(rewards), "reward_gain_se": _se(rewards), "final": _mean(r.get("final_accuracy") for r in rs),
+        "seeds": len(rs), "gain": mean(gains), "gain_se": se(gains), "heldout_gain": mean(heldout), "heldout_gain_se": se(heldout),
+        "reward_gain": mean(rewards), "reward_gain_se": se(rewards), "final": mean(r.get("final_accuracy") for r in rs),
         "collapses": sum(collapses(r, learning) for r in rs), "errors": sum(r.get("error") is not None for r in rs),
         "entropy_collapses": sum(entropy_collapsed(r) for r in rs),
-        "entropy_last": _mean(next((v for _, v in reversed(r.get("entropy_curve") or []) if v is not None), None) for r in rs),
-        "filtered_frac_last5": _mean(r.get("filtered_frac_last5") for r in rs),
-        "grad_norm_max": _largest(r.get("grad_norm_max") for r in rs),
-        **{k: _mean(r.get(k) for r in rs) for k in ("gap_numerics_mean", "gap_numerics_p99", "gap_inflight_mean", "gap_staleness_mean",
+        "entropy_last": mean(next((v for _, v in reversed(r.get("entropy_curve") or []) if v is not None), None) for r in rs),
+        "filtered_frac_last5": mean(r.get("filtered_frac_last5") for r in rs),
+        "grad_norm_max": largest(r.get("grad_norm_max") for r in rs),
+        **{k: mean(r.get(k) for r in rs) for k in ("gap_numerics_mean", "gap_numerics_p99", "gap_inflight_mean", "gap_staleness_mean",
                                                       "gap_staleness_p99", "clipped_frac", "masked_frac", "corrective_frac",
                                                       "behaviour_capped_frac", "regularizer_share")},
-        **{k: _largest(r.get(k) for r in rs) for k in ("gap_numerics_max", "gap_staleness_max", "gap_max", "gap_proximal_max")},
+        **{k: largest(r.get(k) for r in rs) for k in ("gap_numerics_max", "gap_staleness_max", "gap_max", "gap_proximal_max")},
     }
     if base is not None:
         own = {r["seed"]: metric(r) for r in base if metric(r) is not None}
         d = [metric(r) - own[r["seed"]] for r in rs if metric(r) is not None and r["seed"] in own]
-        out["vs_base"] = _mean(d)
-        out["vs_base_se"] = _se(d)
+        out["vs_base"] = mean(d)
+        out["vs_base_se"] = se(d)
     return out
 
 
@@ -183,7 +179,7 @@ def _pm(v, se) -> str:
 
 
 def _triple(s, part) -> str:
-    return " / ".join(_fmt(s.get(f"gap_{part}_{k}"), 2) for k in ("mean", "p99", "max"))
+    return " / ".join(fmt(s.get(f"gap_{part}_{k}"), 2) for k in ("mean", "p99", "max"))
 
 
 def _order(result: dict, grid: dict) -> tuple[list[str], list[str]]:
@@ -206,7 +202,7 @@ def rung_table(result: dict, labels: dict, grid: dict) -> str:
                           str(st["collapses"] + st["errors"]), str(st["entropy_collapses"]), st["entropy_last"], st["filtered_frac_last5"],
                           st["grad_norm_max"], _triple(st, "numerics"), st["gap_inflight_mean"], _triple(st, "staleness"), st["gap_proximal_max"],
                           st["clipped_frac"], st["masked_frac"], st["corrective_frac"], st["behaviour_capped_frac"], st["regularizer_share"]])
-    return _markdown(STAT_HEAD, lines)
+    return markdown(STAT_HEAD, lines)
 
 
 COLUMNS = (
@@ -249,7 +245,7 @@ def summary_table(result: dict, labels: dict, grid: dict) -> str:
         bad = "none up to " + labels.get((d, ran), "base") if f["first_degraded"] is None else labels[(d, f["first_degraded"])]
         return f"learns to {hi}; first degraded: {bad}"
 
-    return _markdown(["objective", "base", *dims], [[o, base_word(o), *[word(o, d) for d in dims]] for o in objectives])
+    return markdown(["objective", "base", *dims], [[o, base_word(o), *[word(o, d) for d in dims]] for o in objectives])
 
 
 def calibration_table(rows: list[dict]) -> str:
@@ -261,9 +257,9 @@ def calibration_table(rows: list[dict]) -> str:
                  and p["dimension"] == r["dimension"] and p["rung"] == r["rung"]]
         for who, rs in (("SmolLM2-135M", [r]), ("stand-in", peers)):
             if rs:
-                lines.append([r["label"], who, len(rs), _mean(x.get("gap_numerics_mean") for x in rs), _mean(x.get("gap_numerics_p99") for x in rs),
-                              _largest(x.get("gap_numerics_max") for x in rs), _largest(x.get("gap_proximal_max") for x in rs)])
-    return _markdown(["rung", "model", "cells", "\\|π−μ\\| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
+                lines.append([r["label"], who, len(rs), mean(x.get("gap_numerics_mean") for x in rs), mean(x.get("gap_numerics_p99") for x in rs),
+                              largest(x.get("gap_numerics_max") for x in rs), largest(x.get("gap_proximal_max") for x in rs)])
+    return markdown(["rung", "model", "cells", "\\|π−μ\\| lag 0 mean", "lag 0 p99", "lag 0 max", "max drift in a step"], lines)
 
 
 def short_cells_table(rows: list[dict]) -> str:
@@ -275,12 +271,12 @@ def short_cells_table(rows: list[dict]) -> str:
         return None if k3 is None or n is None else k3 * n
 
     lines = [[r["objective"], r["label"], len(r.get("reward_curve") or []), r.get("response_tokens_mean"), r.get("truncated_frac"),
-              _mean(v for _, v in r.get("entropy_curve") or []),
-              " / ".join(_fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("kl_k3_numerics"), per_response(r),
+              mean(v for _, v in r.get("entropy_curve") or []),
+              " / ".join(fmt(r.get(f"gap_numerics_{k}"), 2) for k in ("mean", "p99", "max")), r.get("kl_k3_numerics"), per_response(r),
               r.get("clipped_frac"), r.get("masked_frac"), r.get("corrective_frac"), r.get("regularizer_share"), r.get("grad_norm_max"),
               r.get("wall_seconds")]
              for r in rows if r.get("calibration")]
-    return _markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "learner entropy", "\\|π−μ\\| lag 0 mean / p99 / max",
+    return markdown(["objective", "rung", "steps", "response tokens (mean)", "truncated", "learner entropy", "\\|π−μ\\| lag 0 mean / p99 / max",
                       "KL(μ‖π) per token (k3)", "per response (k3 × tokens)", "clipped", "masked", "corrective", "regularizer share",
                       "max grad norm", "wall s"], lines)
 
@@ -399,7 +395,7 @@ def report(rows: list[dict], grid: dict) -> str:
     for name, metric in (("held-out accuracy gain", _gain), ("train reward gain", _reward_gain), ("train reward of the first 5 steps", early)):
         noise = paired_noise([r for r in rows if not r.get("calibration")], metric)
         ratio = (noise["unpaired_sd"] / noise["paired_sd"]) if noise["paired_sd"] and noise["unpaired_sd"] else None
-        crn.append(f"- {name}: sd of two objectives' difference {_fmt(noise['paired_sd'])} paired by seed, against {_fmt(noise['unpaired_sd'])} "
+        crn.append(f"- {name}: sd of two objectives' difference {fmt(noise['paired_sd'])} paired by seed, against {fmt(noise['unpaired_sd'])} "
                    f"for unpaired runs (sqrt(var a + var b)); {noise['dof']} degrees of freedom pooled over objective pairs and rungs"
                    + (f"; unpaired/paired sd ratio {ratio:.2f}." if ratio else "."))
     crn = "Common random numbers (cells of one seed draw the same completions until their policies differ):\n" + "\n".join(crn)

@@ -17,20 +17,19 @@ import json
 import math
 import platform
 import shutil
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from benchmarks.experiments.reporting import COLLAPSE_DROP, copy_assets, largest, markdown, mean, overrides, replace_block, sd, se
+
 HERE = Path(__file__).parent
-COLLAPSE_DROP = 0.5
-"""A collapse: held-out accuracy falls below half its best so far, or the loss or gradient norm is not finite."""
 
 
 @dataclass(frozen=True)
-class Cell:
+class GridCell:
     name: str
     objective: str
     setting: str
@@ -41,46 +40,23 @@ class Cell:
         return {"cell": self.name, "objective": self.objective, "setting": self.setting, "seed": self.seed}
 
 
-def _overrides(values: dict) -> list[str]:
-    """--set strings; values as JSON, which YAML reads back unchanged (null, numbers, mappings)."""
-    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
-
-
-def cells(grid: dict, only: set[str] | None = None) -> list[Cell]:
+def grid_cells(grid: dict, only: set[str] | None = None) -> list[GridCell]:
     out = []
     for obj in grid["objectives"]:
         if only and obj["name"] not in only:
             continue
         for setting, sets in grid["settings"].items():
             for seed in grid["seeds"]:
-                over = [f"learner.objective={json.dumps(obj['objective'])}", f"seed={seed}", *_overrides(sets)]
-                out.append(Cell(f"{obj['name']}-{setting}-s{seed}", obj["name"], setting, seed, tuple(over)))
+                over = [f"learner.objective={json.dumps(obj['objective'])}", f"seed={seed}", *overrides(sets)]
+                out.append(GridCell(f"{obj['name']}-{setting}-s{seed}", obj["name"], setting, seed, tuple(over)))
     sweep = grid.get("delta_sweep")
     if sweep and (not only or "drpo" in only):
         for delta in sweep["deltas"]:
             for seed in sweep["seeds"]:
                 over = [f"learner.objective={{type: drpo, delta: {delta}}}", f"seed={seed}",
-                        *_overrides(grid["settings"][sweep["setting"]])]
-                out.append(Cell(f"drpo-d{delta}-{sweep['setting']}-s{seed}", f"drpo δ={delta}", sweep["setting"], seed, tuple(over)))
+                        *overrides(grid["settings"][sweep["setting"]])]
+                out.append(GridCell(f"drpo-d{delta}-{sweep['setting']}-s{seed}", f"drpo δ={delta}", sweep["setting"], seed, tuple(over)))
     return out
-
-
-def _finite(values) -> list[float]:
-    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-
-
-def _mean(values):
-    got = _finite(values)
-    return sum(got) / len(got) if got else None
-
-
-def _largest(values):
-    return max(_finite(values), default=None)
-
-
-def _sd(values):
-    got = _finite(values)
-    return statistics.stdev(got) if len(got) > 1 else None
 
 
 def summarize(run_dir: Path, target: float) -> dict:
@@ -88,11 +64,11 @@ def summarize(run_dir: Path, target: float) -> dict:
     steps = [r for r in records if r["kind"] == "step"]
     evals = [r for r in records if r["kind"] == "eval"]
 
-    def mean(key, rows=steps):
-        return _mean(s.get(key) for s in rows)
+    def step_mean(key, rows=steps):
+        return mean(s.get(key) for s in rows)
 
-    def largest(key):
-        return _largest(s.get(key) for s in steps)
+    def step_max(key):
+        return largest(s.get(key) for s in steps)
 
     collapses, best = 0, 0.0
     for e in evals:
@@ -106,18 +82,18 @@ def summarize(run_dir: Path, target: float) -> dict:
         "start_accuracy": evals[0]["accuracy"] if evals else None, "final_accuracy": evals[-1]["accuracy"] if evals else None,
         "best_accuracy": best if evals else None, "eval_samples": evals[-1]["samples"] if evals else 0,
         "steps_to_target": reached[0] if reached else None, "collapses": collapses, "nonfinite_steps": nonfinite,
-        "gap_lag0": mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": mean("gap/staleness/abs_shift_mean"),
-        "corrective_frac": mean("objective/corrective_frac"), "regularizer_mean": mean("objective/regularizer_mean"),
-        "gap_max": largest("gap/abs_shift_max"), "grad_norm_max": largest("learner/grad_norm"),
-        "train_reward_last5": mean("reward/mean", steps[-5:]), "train_reward_first5": mean("reward/mean", steps[:5]),
-        **{f"gap_{part}_{stat}": (largest if stat == "max" else mean)(f"gap/{part}/abs_shift_{stat}")
+        "gap_lag0": step_mean("gap/numerics/abs_shift_mean"), "gap_lag1plus": step_mean("gap/staleness/abs_shift_mean"),
+        "corrective_frac": step_mean("objective/corrective_frac"), "regularizer_mean": step_mean("objective/regularizer_mean"),
+        "gap_max": step_max("gap/abs_shift_max"), "grad_norm_max": step_max("learner/grad_norm"),
+        "train_reward_last5": step_mean("reward/mean", steps[-5:]), "train_reward_first5": step_mean("reward/mean", steps[:5]),
+        **{f"gap_{part}_{stat}": (step_max if stat == "max" else step_mean)(f"gap/{part}/abs_shift_{stat}")
            for part in ("numerics", "inflight", "staleness") for stat in ("mean", "p99", "max")},
-        "gap_proximal_max": largest("gap/proximal/abs_shift_max"),
-        "response_tokens_mean": mean("rollout/response_tokens_mean"), "truncated_frac": mean("rollout/truncated_frac"),
-        "kl_k3_numerics": mean("gap/numerics/kl_k3"),
-        "clipped_frac": mean("objective/clip_frac_low") + mean("objective/clip_frac_high") if mean("objective/clip_frac_low") is not None else None,
-        "masked_frac": mean("objective/masked_frac"), "behaviour_capped_frac": mean("learner/behaviour_weight_capped_frac"),
-        "regularizer_share": mean("objective/regularizer_share"),
+        "gap_proximal_max": step_max("gap/proximal/abs_shift_max"),
+        "response_tokens_mean": step_mean("rollout/response_tokens_mean"), "truncated_frac": step_mean("rollout/truncated_frac"),
+        "kl_k3_numerics": step_mean("gap/numerics/kl_k3"),
+        "clipped_frac": step_mean("objective/clip_frac_low") + step_mean("objective/clip_frac_high") if step_mean("objective/clip_frac_low") is not None else None,
+        "masked_frac": step_mean("objective/masked_frac"), "behaviour_capped_frac": step_mean("learner/behaviour_weight_capped_frac"),
+        "regularizer_share": step_mean("objective/regularizer_share"),
         "reward_curve": [[s["step"], s.get("reward/mean")] for s in steps],
         "entropy_curve": [[s["step"], s.get("learner/entropy_mean")] for s in steps],
         "filtered_frac_last5": _filtered_frac(steps[-6:]),
@@ -137,7 +113,7 @@ def _filtered_frac(steps: list[dict]) -> float | None:
 
 
 def run_grid(grid: dict, out: Path, model_path: str, only: set[str] | None = None, log=print) -> list[dict]:
-    rows = run_cells(cells(grid, only), out, lambda cell: [f"model.path={model_path}", *_overrides(grid["base"])], grid["target_accuracy"], log)
+    rows = run_cells(grid_cells(grid, only), out, lambda cell: [f"model.path={model_path}", *overrides(grid["base"])], grid["target_accuracy"], log)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -192,30 +168,20 @@ def run_cells(todo, out: Path, base_of, target: float, log=print, on_row=None) -
     return rows
 
 
-def _fmt(v, digits=3):
-    return "–" if v is None else (f"{v:.{digits}g}" if isinstance(v, float) else str(v))
-
-
-def _markdown(head: list[str], lines: list[list]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(_fmt(v) if not isinstance(v, str) else v for v in line) + " |" for line in lines]
-    return "\n".join(out) + "\n"
-
-
 GAP = ["mean \\|π−μ\\| lag 0", "lag ≥ 1", "max \\|π−μ\\|", "corrective", "regularizer"]
 
 
 def _gaps(rs: list[dict]) -> list:
-    return [_mean(r.get(k) for r in rs) for k in ("gap_lag0", "gap_lag1plus")] + [
-        _largest(r.get("gap_max") for r in rs),
-        _mean(r.get("corrective_frac") for r in rs), _mean(r.get("regularizer_mean") for r in rs)]
+    return [mean(r.get(k) for r in rs) for k in ("gap_lag0", "gap_lag1plus")] + [
+        largest(r.get("gap_max") for r in rs),
+        mean(r.get("corrective_frac") for r in rs), mean(r.get("regularizer_mean") for r in rs)]
 
 
 def table(rows: list[dict]) -> str:
     """Every cell."""
     head = ["objective", "setting", "seed", "start acc", "final acc", "best acc", "n", "steps to target", "collapses",
             "train reward (last 5 steps)", "max grad norm", *GAP]
-    return _markdown(head, [
+    return markdown(head, [
         [r["objective"], r["setting"], r["seed"], r.get("start_accuracy"), r.get("final_accuracy"), r.get("best_accuracy"),
          r.get("eval_samples", 0), r.get("steps_to_target"),
          f"{r.get('collapses', 0)}" + (f" ({r['error'][:40]})" if r.get("error") else ""),
@@ -238,27 +204,26 @@ def _gains(rs: list[dict]) -> list[float]:
 def _accuracy_columns(rs: list[dict]) -> list:
     finals = [r["final_accuracy"] for r in rs if r.get("final_accuracy") is not None]
     gains = _gains(rs)
-    se = _sd(gains) / math.sqrt(len(gains)) if len(gains) > 1 else None
-    return [len(rs), _mean(r.get("start_accuracy") for r in rs), _mean(finals), _mean(gains), se, min(finals, default=None),
-            _mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
-            sum(r.get("collapses", 0) for r in rs), _mean(r.get("train_reward_last5") for r in rs),
-            _largest(r.get("grad_norm_max") for r in rs)]
+    return [len(rs), mean(r.get("start_accuracy") for r in rs), mean(finals), mean(gains), se(gains), min(finals, default=None),
+            mean(r.get("best_accuracy") for r in rs), f"{sum(r.get('steps_to_target') is not None for r in rs)}/{len(rs)}",
+            sum(r.get("collapses", 0) for r in rs), mean(r.get("train_reward_last5") for r in rs),
+            largest(r.get("grad_norm_max") for r in rs)]
 
 
 ACCURACY = ["cells", "mean start acc", "mean final acc", "mean gain", "± se", "min final acc", "mean best acc", "reached target",
             "collapses", "train reward (last 5)", "max grad norm"]
 
 
-def summary_table(rows: list[dict]) -> str:
+def grid_summary_table(rows: list[dict]) -> str:
     """One line per (objective, setting): means over seeds, collapses summed, maxima over cells."""
-    return _markdown(["objective", "setting", *ACCURACY, *GAP], [
+    return markdown(["objective", "setting", *ACCURACY, *GAP], [
         [objective, setting, *_accuracy_columns(rs), *_gaps(rs)]
         for (objective, setting), rs in _groups(rows, lambda r: (r["objective"], r["setting"])).items()])
 
 
 def objective_table(rows: list[dict]) -> str:
     """One line per objective, pooled over settings and seeds (more cells, so smaller noise)."""
-    return _markdown(["objective", *ACCURACY], [
+    return markdown(["objective", *ACCURACY], [
         [objective, *_accuracy_columns(rs)] for objective, rs in _groups(rows, lambda r: r["objective"]).items()])
 
 
@@ -267,38 +232,18 @@ def noise_floor(rows: list[dict]) -> str:
     starts = [r["start_accuracy"] for r in rows if r.get("start_accuracy") is not None]
     if len(starts) < 2:
         return "Evaluation noise: fewer than two cells evaluated."
-    m, sd = _mean(starts), _sd(starts)
+    m, spread = mean(starts), sd(starts)
     n = max(r.get("eval_samples", 0) for r in rows) or 1
     return (f"Evaluation noise: the starting model's held-out accuracy over the {len(starts)} cells' step-0 evaluations "
-            f"is {m:.3f} ± {sd:.3f} (sd; range {min(starts):.3f}–{max(starts):.3f}); the binomial standard error at "
+            f"is {m:.3f} ± {spread:.3f} (sd; range {min(starts):.3f}–{max(starts):.3f}); the binomial standard error at "
             f"n = {n} is {math.sqrt(m * (1 - m) / n):.3f}. A difference between two single cells below about "
-            f"{2 * math.sqrt(2) * sd:.2f} is within noise.")
+            f"{2 * math.sqrt(2) * spread:.2f} is within noise.")
 
 
 BEGIN, END = "<!-- results:begin (written by benchmarks/experiments/run.py --docs) -->", "<!-- results:end -->"
 
 
-def copy_assets(path: Path, out: Path, names, prefix: str = "") -> Path:
-    """Copy the plots ``names`` from ``out`` into the page's assets folder (PAGE_STEM/ beside it), as PREFIX + name."""
-    assets = Path(path).parent / Path(path).stem
-    assets.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        shutil.copy(Path(out) / name, assets / (prefix + name))
-    return assets
-
-
-def replace_block(path: Path, begin: str, end: str, body: str) -> None:
-    """Write ``body`` between the page's ``begin`` and ``end`` markers, keeping the text around them
-    (a missing page is created with only the block; a page without the markers is refused)."""
-    path = Path(path)
-    old = path.read_text() if path.is_file() else f"# Results\n\n{begin}\n{end}\n"
-    if begin not in old or end not in old:
-        raise ValueError(f"{path} has no '{begin}' ... '{end}' block to replace")
-    head, rest = old.split(begin, 1)
-    path.write_text(head + begin + body + end + rest.split(end, 1)[1])
-
-
-def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: dict) -> None:
+def write_grid_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: dict) -> None:
     """The generated part of the report page: command, machine, tables, plot. Text outside the
     markers (the written reading of the results) is kept when the page already exists."""
     import os
@@ -311,7 +256,7 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
         f"(model: {grid['model']}); machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; {len(rows)} cells, {seconds / 3600:.2f} h of training wall time.\n\n"
         f"{noise_floor(rows)}\n\n### By objective (pooled over settings and seeds)\n\n{objective_table(rows)}\n"
-        f"### By objective and setting (means over seeds)\n\n{summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
+        f"### By objective and setting (means over seeds)\n\n{grid_summary_table(rows)}\n### Every cell\n\n{table(rows)}\n"
         f"![final minus start accuracy]({assets.name}/gain.png)\n\n![held-out accuracy per setting]({assets.name}/accuracy.png)\n\n"
     )
     replace_block(path, BEGIN, END, generated)
@@ -320,7 +265,7 @@ def write_docs(path: Path, rows: list[dict], out: Path, grid_path: str, grid: di
 PLOTS = ("accuracy.png", "gain.png")
 
 
-def plot(rows: list[dict], folder: Path) -> list[Path]:
+def plot_grid(rows: list[dict], folder: Path) -> list[Path]:
     """accuracy.png: held-out accuracy curves (mean over seeds), one panel per setting; gain.png: final minus start
     accuracy per objective and setting (bar = mean over seeds, dots = the seeds)."""
     import matplotlib
@@ -393,10 +338,10 @@ def main() -> None:
     _init_ray(load_config())
     rows = run_grid(grid, out, str(model), set(args.only.split(",")) if args.only else None)
     (out / "results.md").write_text(table(rows))
-    plot(rows, out)
-    print(noise_floor(rows), objective_table(rows), summary_table(rows), sep="\n\n")
+    plot_grid(rows, out)
+    print(noise_floor(rows), objective_table(rows), grid_summary_table(rows), sep="\n\n")
     if args.docs:
-        write_docs(Path(args.docs), rows, out, args.grid, grid)
+        write_grid_docs(Path(args.docs), rows, out, args.grid, grid)
 
 
 if __name__ == "__main__":

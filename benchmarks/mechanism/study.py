@@ -310,7 +310,7 @@ def plot(result: dict, folder: Path) -> list[Path]:
 
 
 def write_docs(path: Path, result: dict, out: Path) -> None:
-    from benchmarks.experiments.run import copy_assets, replace_block
+    from benchmarks.experiments.reporting import copy_assets, replace_block
 
     path = Path(path)
     assets = copy_assets(path, out, PLOTS)
