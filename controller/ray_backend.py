@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import objectives
 from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult, WorkersGone
-from controller.weight_sync import BROADCAST_ATTEMPTS, BroadcastSync
+from controller.broadcast_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
 from controller.hardware import resolve_precision
 from learner.batch import TrainBatch

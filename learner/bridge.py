@@ -29,12 +29,12 @@ output layer) split by rows, with linear_qkv split by whole query groups and lin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from learner.model import ModelArch
+from learner.weights.hf_io import unfuse_experts
 
 HF_LAYER = "model.layers.{i}."
 MG_LAYER = "decoder.layers.{i}."
@@ -95,25 +95,6 @@ def _fc1_pairs(arch: ModelArch, i: int) -> list[tuple[str, str, str]]:
         (hf + f"experts.{e}.gate_proj.weight", hf + f"experts.{e}.up_proj.weight", mg + f"experts.local_experts.{e}.linear_fc1.weight")
         for e in range(arch.num_experts)
     ]
-
-
-def unfuse_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers >= 5 keeps MoE experts fused in memory (experts.gate_up_proj [E, 2F, H],
-    experts.down_proj [E, H, F]); checkpoints on disk and vLLM use one tensor per expert. Returns
-    the per-expert form (a no-op on checkpoint-format dicts)."""
-    out = {}
-    for name, t in hf.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name[: -len("gate_up_proj")]
-            for e, fused in enumerate(t):
-                gate, up = torch.chunk(fused, 2, dim=0)
-                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
-        else:
-            out[name] = t
-    return out
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
@@ -214,19 +195,6 @@ def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     if name.endswith(_ROW):
         return torch.cat(parts, dim=1)
     return parts[0]
-
-
-def load_hf_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's safetensors files, on CPU."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 def _take(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:

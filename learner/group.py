@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.host import check_host
 from learner.placement import wait_placed
-from learner.publish import DEFAULT_BUCKET_BYTES, Publication
+from learner.weights.wire import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig
 from learner.batch import TrainBatch
 from learner.learner import StepMetrics

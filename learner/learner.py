@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import objectives
 from learner import bridge, checkpoint, optim, packing
+from learner.weights.hf_io import load_hf_state_dict
 from learner import model as modeling
 from learner.batch import TrainBatch
 from learner.config import LearnerConfig
@@ -84,7 +85,7 @@ class Learner:
     @classmethod
     def from_hf_folder(cls, cfg: LearnerConfig, folder) -> "Learner":
         arch = modeling.ModelArch.from_hf_folder(folder)
-        return cls(cfg, arch, bridge.hf_to_megatron(bridge.load_hf_state_dict(folder), arch))
+        return cls(cfg, arch, bridge.hf_to_megatron(load_hf_state_dict(folder), arch))
 
     # ---- forward ----------------------------------------------------------------------------------
 

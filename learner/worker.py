@@ -9,8 +9,10 @@ import time
 import ray
 import torch
 
-from learner import checkpoint, distributed, publish
-from learner.broadcast import Membership
+from learner import checkpoint, distributed
+
+from learner.weights import wire
+from learner.weights.broadcast import Membership
 from learner.config import LearnerConfig
 from learner.host import to_host
 from learner.batch import TrainBatch
@@ -62,7 +64,7 @@ class LearnerWorker:
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return to_host(self.learner.compute_logprobs(input_ids))
 
-    def _send_buckets(self, max_bytes: int, send, dtype: str | None = None) -> publish.Publication | None:
+    def _send_buckets(self, max_bytes: int, send, dtype: str | None = None) -> wire.Publication | None:
         """Stream the weights as buckets through ``send`` on rank 0; every other rank only takes
         part in the tensor-parallel gathers, which happen lazily, layer by layer. ``dtype`` (a
         torch dtype name, e.g. "bfloat16"): the engines' weight dtype, cast to before sending."""
@@ -76,14 +78,14 @@ class LearnerWorker:
                 pass
             return None
         refs, nbytes = [], 0
-        for bucket in publish.buckets(named, self.learner.version, max_bytes):
+        for bucket in wire.buckets(named, self.learner.version, max_bytes):
             ref = send(bucket)
             if ref is not None:
                 refs.append(ref)
             nbytes += bucket.nbytes
-        return publish.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
+        return wire.Publication(self.learner.version, refs, nbytes, time.perf_counter() - started)
 
-    def publish(self, max_bytes: int, dtype: str | None = None) -> publish.Publication | None:
+    def publish(self, max_bytes: int, dtype: str | None = None) -> wire.Publication | None:
         """Put the weights in the object store (rank 0), as ``dtype``; the Publication carries the refs."""
         return self._send_buckets(max_bytes, ray.put, dtype)
 
@@ -95,14 +97,14 @@ class LearnerWorker:
         else:
             self._broadcast.leave()
 
-    def broadcast(self, max_bytes: int, dtype: str | None = None) -> publish.Publication | None:
+    def broadcast(self, max_bytes: int, dtype: str | None = None) -> wire.Publication | None:
         """Send the current weights to the engines over the broadcast group (GPU: NCCL), as ``dtype``.
         A collective that fails or times out (an engine died) leaves the group: the Publication
         carries the error, and the caller forms a new group before the next broadcast."""
         if self.rank != 0:
             return self._send_buckets(max_bytes, None, dtype)  # ranks > 0 only take part in the gathers
 
-        def publication(group) -> publish.Publication:
+        def publication(group) -> wire.Publication:
             sent = self._send_buckets(max_bytes, group.send, dtype)
             group.flush()  # the last bucket has reached every engine
             return dataclasses.replace(sent, seconds=time.perf_counter() - started)
@@ -111,7 +113,7 @@ class LearnerWorker:
         try:
             return self._broadcast.run(publication)
         except RuntimeError as err:  # torch.distributed's errors (a peer died, a timeout), or no group
-            return publish.Publication(self.learner.version, [], 0, time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
+            return wire.Publication(self.learner.version, [], 0, time.perf_counter() - started, error=f"{type(err).__name__}: {err}")
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's current weights under HF names (tests and consumers check against it)."""

@@ -20,7 +20,7 @@ from typing import Iterable, Literal, NamedTuple
 
 import torch
 
-from learner.publish import WeightBucket
+from learner.weights.wire import WeightBucket
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -218,10 +218,10 @@ class Engine(ABC):
         """Load a publication (HF names); the new weights serve from the next decoding step on."""
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Join the learner's weight broadcast group (learner/broadcast.py) as ``rank``, replacing any
+        """Join the learner's weight broadcast group (learner/weights/broadcast.py) as ``rank``, replacing any
         group joined before. This default joins in the engine's own process (the hf engine);
         engines whose weights live in other processes join from there (vLLM's workers)."""
-        from learner.broadcast import Membership
+        from learner.weights.broadcast import Membership
 
         if not hasattr(self, "_weights_membership"):
             self._weights_membership = Membership()

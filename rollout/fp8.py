@@ -106,7 +106,7 @@ def write_fp8_folder(source: str | Path, target: str | Path, block: int) -> Path
     carrying the quantization_config; tokenizer and other files copied as they are."""
     from safetensors.torch import save_file
 
-    from learner.bridge import load_hf_state_dict
+    from learner.weights.hf_io import load_hf_state_dict
 
     source, target = Path(source), Path(target)
     config = json.loads((source / "config.json").read_text())

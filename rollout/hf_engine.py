@@ -19,8 +19,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from learner.bridge import unfuse_experts
-from learner.publish import WeightBucket
+from learner.weights.hf_io import unfuse_experts
+from learner.weights.wire import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, fake_quantize_fp8, tensor_checksum
 from rollout.routing import RoutingRecorder, per_row
 

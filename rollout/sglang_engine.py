@@ -45,7 +45,7 @@ engines' definition.
 Weights. An object-store publication is moved to this GPU and handed to SGLang's scheduler as CUDA
 IPC handles (``MultiprocessingSerializer``, as SGLang's own ``update_weights_from_tensor`` does):
 no file, no host round trip in the scheduler. With ``learner.weight_sync: broadcast`` this actor joins
-the learner's group (learner/broadcast.py: NCCL, on the GPU it shares with SGLang's scheduler),
+the learner's group (learner/weights/broadcast.py: NCCL, on the GPU it shares with SGLang's scheduler),
 receives each bucket into GPU memory and hands it over the same way, bucket by bucket under one pause.
 SGLang's own ``init_weights_update_group``/``update_weights_from_distributed`` is not used: it wants
 one broadcast per tensor, announced by an API call before it is sent, on a group built with its own
@@ -61,7 +61,7 @@ from typing import Iterable
 
 import torch
 
-from learner.publish import WeightBucket
+from learner.weights.wire import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, private_folder, tensor_checksum
 from rollout.fp8 import quantize_named, write_fp8_folder
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream

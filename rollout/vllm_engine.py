@@ -37,7 +37,7 @@ publication as bytes through ``collective_rpc`` instead was measured 2x slower h
 core runs every RPC inside its busy loop, so decoding would stall for the transfer too. With
 ``learner.weight_sync: broadcast`` (the cluster preset) there is no file: the worker extension
 joins the learner's group and receives the buckets itself (NCCL on GPU, gloo on CPU;
-learner/broadcast.py).
+learner/weights/broadcast.py).
 
 fp8: on GPU ``quantization="fp8"``; vLLM's CPU build has no fp8 kernels, so on CPU the weights are
 fake-quantized through float8_e4m3 and loaded the same way (rollout/engine.py).
@@ -54,7 +54,7 @@ from typing import Iterable
 
 import torch
 
-from learner.publish import WeightBucket
+from learner.weights.wire import WeightBucket
 from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, private_folder, tensor_checksum
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
@@ -190,7 +190,7 @@ class DrpoWorkerExtension:
 
     def drpo_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """This vLLM worker joins the learner's weight broadcast group (NCCL on GPU, gloo on CPU)."""
-        from learner.broadcast import Membership
+        from learner.weights.broadcast import Membership
 
         if getattr(self, "_drpo_membership", None) is None:
             self._drpo_membership = Membership()
@@ -198,7 +198,7 @@ class DrpoWorkerExtension:
 
     def drpo_receive_weights(self) -> int:
         """Receive one publication from the group and load it in place; returns its version."""
-        from learner.publish import assemble
+        from learner.weights.wire import assemble
 
         membership = getattr(self, "_drpo_membership", None)
         if membership is None:
@@ -264,7 +264,7 @@ class VLLMEngine(Engine):
         self.tokenizer = self.llm.get_tokenizer()
         self._record_engine_processes("EngineCore")  # vLLM's engine-core process (VLLM::EngineCore)
         if precision == "fp8" and not on_gpu:
-            from learner.bridge import load_hf_state_dict
+            from learner.weights.hf_io import load_hf_state_dict
 
             state = {k: fake_quantize_fp8(v.float()) if v.dim() >= 2 else v for k, v in load_hf_state_dict(model_folder).items()}
             self._load(state)

@@ -124,17 +124,17 @@ def nccl(rank, port, out):
         open(f"{out}.{rank}", "w").write(f"refused: {str(e).splitlines()[0][:160]}")
 
 def group(rank, port, out):
-    from learner import publish
-    from learner.broadcast import WeightBroadcastGroup
+    from learner.weights import wire
+    from learner.weights.broadcast import WeightBroadcastGroup
     torch.manual_seed(0)
     weights = {f"w{i}": torch.randn(256, 256, device="cuda", dtype=torch.bfloat16) for i in range(8)}
     g = WeightBroadcastGroup("127.0.0.1", port, rank, 2, timeout_s=60)
     if rank == 0:
-        for bucket in publish.buckets(weights.items(), version=1, max_bytes=300_000):
+        for bucket in wire.buckets(weights.items(), version=1, max_bytes=300_000):
             g.send(bucket)
         g.flush()
     else:
-        version, got = publish.assemble(g.receive_publication())
+        version, got = wire.assemble(g.receive_publication())
         exact = all(torch.equal(got[n].to(w.device), w) for n, w in weights.items())
         open(out, "w").write(f"{g.backend} {'bit-exact' if exact else 'DIFFERENT'}")
 

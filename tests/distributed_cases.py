@@ -51,16 +51,16 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
 
 def broadcast(rank: int, world: int, port: int, data_path: str, out_path: str) -> None:
     """Rank 0 publishes the buckets in data_path over a WeightBroadcastGroup; rank 1 receives."""
-    from learner import publish
-    from learner.broadcast import WeightBroadcastGroup
+    from learner.weights import wire
+    from learner.weights.broadcast import WeightBroadcastGroup
 
     data = torch.load(data_path, weights_only=True)
     group = WeightBroadcastGroup("127.0.0.1", port, rank, world)
     if rank == 0:
-        for bucket in publish.buckets(data["weights"].items(), version=data["version"], max_bytes=data["max_bytes"]):
+        for bucket in wire.buckets(data["weights"].items(), version=data["version"], max_bytes=data["max_bytes"]):
             group.send(bucket)
         group.flush()
     else:
-        version, merged = publish.assemble(group.receive_publication())
+        version, merged = wire.assemble(group.receive_publication())
         # the received tensors are typed views of one buffer per bucket, which torch.save refuses
         torch.save({"version": version, "weights": {n: t.clone() for n, t in merged.items()}, "backend": group.backend}, out_path)

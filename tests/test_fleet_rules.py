@@ -3,7 +3,7 @@ restart a worker, and which layouts an MoE model refuses."""
 
 from __future__ import annotations
 
-from controller.weight_sync import Outcome
+from controller.broadcast_sync import Outcome
 from learner.model import ModelArch, layout_problems
 
 MOE = ModelArch(vocab_size=96, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner import publish
+from learner.weights import wire
 from rollout.engine import SamplingParams
 from tests.engine_checks import recompute_logp
 from rollout.hf_engine import HFEngine
@@ -50,7 +50,7 @@ def test_topk_logprobs_contain_the_sampled_token_and_sum_to_at_most_one(engine):
 def _perturbed_publication(engine, version, scale=0.05):
     g = torch.Generator().manual_seed(version)
     state = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) for k, v in engine.model.state_dict().items() if k.endswith("mlp.down_proj.weight")}
-    return list(publish.buckets(state.items(), version=version, max_bytes=8 * 2**20))
+    return list(wire.buckets(state.items(), version=version, max_bytes=8 * 2**20))
 
 
 def test_weight_update_changes_outputs_and_version(smollm2_folder):
@@ -63,7 +63,7 @@ def test_weight_update_changes_outputs_and_version(smollm2_folder):
     assert engine.version == 5 and (after.versions == 5).all()
     assert not torch.equal(before.rollout_logp[:1], after.rollout_logp[:1])  # same first token context, new weights
     with pytest.raises(KeyError, match="does not have"):
-        engine.update_weights([publish.WeightBucket(6, 0, True, {"not.a.weight": torch.zeros(1)})])
+        engine.update_weights([wire.WeightBucket(6, 0, True, {"not.a.weight": torch.zeros(1)})])
         engine.generate(prompt, params)
 
 
@@ -93,3 +93,16 @@ def test_low_precision_engines_report_their_numerics_gap(smollm2_folder, referen
         print(f"\n[{precision} engine numerics gap vs fp32] {stats}")
     assert torch.isfinite(gap).all()
     assert stats["max_abs_logp_gap"] > 1e-3
+
+
+def test_the_rollout_side_imports_no_part_of_the_learner_but_its_weights():
+    """rollout/ reaches the learner only through learner/weights (wire format, HF I/O, transports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rollout.worker, rollout.hf_engine, rollout.fp8, rollout.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith('learner')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = eval(done.stdout.strip().splitlines()[-1])
+    assert "learner.weights.wire" in loaded and all(m == "learner" or m.startswith("learner.weights") for m in loaded), loaded

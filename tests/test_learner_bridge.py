@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from learner import bridge
+from learner.weights.hf_io import load_hf_state_dict
 from learner import model as modeling
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
@@ -56,12 +57,12 @@ def test_smollm2_megatron_logits_equal_transformers(megatron_single_rank, smollm
     arch = modeling.ModelArch.from_hf_folder(smollm2_folder)
     assert (arch.vocab_size, arch.num_layers, arch.num_kv_heads, arch.tie_embeddings) == (49152, 30, 3, True)
     input_ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    logits, model = _megatron_logits(arch, bridge.load_hf_state_dict(smollm2_folder), input_ids)
+    logits, model = _megatron_logits(arch, load_hf_state_dict(smollm2_folder), input_ids)
     with torch.no_grad():
         ref = hf_model(input_ids).logits
     assert (logits - ref).abs().max().item() <= 1e-4
     back = dict(bridge.megatron_to_hf(model.state_dict(), arch))
-    assert all(torch.equal(back[k], v) for k, v in bridge.load_hf_state_dict(smollm2_folder).items() if k in back)
+    assert all(torch.equal(back[k], v) for k, v in load_hf_state_dict(smollm2_folder).items() if k in back)
 
 
 def test_tensor_parallel_shards_reassemble_exactly():
@@ -108,7 +109,7 @@ def test_qwen3_moe_matches_transformers_from_memory_and_from_disk(megatron_singl
     logits, model = _megatron_logits(arch, hf_model.state_dict(), input_ids)  # fused in-memory experts
     assert (logits - ref).abs().max().item() <= 1e-4
     hf_model.save_pretrained(tmp_path)  # per-expert checkpoint format
-    on_disk = bridge.load_hf_state_dict(tmp_path)
+    on_disk = load_hf_state_dict(tmp_path)
     logits_disk, _ = _megatron_logits(arch, on_disk, input_ids)
     assert torch.equal(logits_disk, logits)
     back = dict(bridge.megatron_to_hf(model.state_dict(), arch))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from learner import publish
+from learner.weights import wire
 from learner.config import LearnerConfig, OptimizerConfig, ParallelConfig
 from learner.batch import TrainBatch
 
@@ -39,7 +39,7 @@ def test_two_worker_group_steps_and_publishes_weights_a_consumer_can_load(ray_lo
         assert metrics.version == 1 and metrics.tokens == int(mask.sum())  # both ranks' tokens counted
         pub = group.publish(max_bytes=64_000)
         assert pub.version == 1 and pub.nbytes > 0 and pub.seconds > 0
-        version, weights = publish.assemble(ray_local.get(ref) for ref in pub.refs)
+        version, weights = wire.assemble(ray_local.get(ref) for ref in pub.refs)
         # the consumer: an ordinary transformers model loading the published buckets
         consumer = LlamaForCausalLM(LlamaConfig(**TINY))
         consumer.load_state_dict(weights, strict=False)

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from learner import bridge, checkpoint, packing, publish
+from learner import bridge, checkpoint, packing
+
+from learner.weights import wire
 from learner import model as modeling
 from learner.config import LearnerConfig, OptimizerConfig
 from learner.batch import TrainBatch
@@ -175,17 +177,17 @@ def test_weight_buckets_are_bounded_and_reassemble_to_hf_weights(megatron_single
     learner = _tiny_learner(LearnerConfig())
     named = dict(learner.hf_named_tensors())
     limit = 40_000
-    out = list(publish.buckets(learner.hf_named_tensors(), version=7, max_bytes=limit))
+    out = list(wire.buckets(learner.hf_named_tensors(), version=7, max_bytes=limit))
     assert len(out) > 2 and out[-1].last and not any(b.last for b in out[:-1])
     for b in out:
         assert b.nbytes <= limit or len(b.tensors) == 1
-    version, merged = publish.assemble(out)
+    version, merged = wire.assemble(out)
     assert version == 7 and merged.keys() == named.keys()
     assert all(torch.equal(merged[k], named[k]) for k in named)
     with pytest.raises(ValueError, match="out-of-order"):
-        publish.assemble([out[1], out[0]])
+        wire.assemble([out[1], out[0]])
     with pytest.raises(ValueError, match="final bucket"):
-        publish.assemble(out[:-1])
+        wire.assemble(out[:-1])
 
 
 def test_bad_batches_are_rejected_with_the_field_name():

@@ -126,7 +126,7 @@ def test_a_local_run_binds_listens_and_connects_on_loopback_only(tiny_chat_model
 
 def test_a_rendezvous_store_listens_on_its_address_only():
     from learner import distributed
-    from learner.broadcast import WeightBroadcastGroup
+    from learner.weights.broadcast import WeightBroadcastGroup
 
     store = distributed.rendezvous("127.0.0.1", 0, 1, 0, timedelta(seconds=10))
     mine = [c.laddr for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]

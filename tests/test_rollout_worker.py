@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner import publish
+from learner.weights import wire
 from rollout.records import EvalTicket, TrainTicket
 from rollout.tasks import Problem, arithmetic_split
 
@@ -41,7 +41,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     # a bad request comes back as a group with its reason, and the worker lives on
     assert groups[2].error == "empty prompt" and groups[2].samples == () and beat["failures"] == 1
     state = {"model.norm.weight": torch.ones(576) * 1.01}
-    refs = [ray.put(b) for b in publish.buckets(state.items(), version=4)]
+    refs = [ray.put(b) for b in wire.buckets(state.items(), version=4)]
     assert ray.get(worker.update_weights.remote(refs)) == 4
     ray.get(worker.submit.remote(EvalTicket(0, problems[0].id), problems[0]))
     (group,) = ray.get(worker.collect.remote(min_groups=1, timeout_s=120))

@@ -19,7 +19,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from learner.publish import WeightBucket
+from learner.weights.wire import WeightBucket
 from rollout.engine import SamplingParams, tensor_checksum
 from rollout.sglang_engine import SGLangEngine, check_update, finish_reason, running_totals, sglang_sampling
 
@@ -266,7 +266,7 @@ def test_fp8_publications_are_handed_over_as_block_fp8_with_their_scales(standin
 
 
 class StandInMembership:
-    """learner.broadcast.Membership as receive_weights uses it: ``run(fn)`` calls fn on the group,
+    """learner.weights.broadcast.Membership as receive_weights uses it: ``run(fn)`` calls fn on the group,
     whose ``receive()`` returns the broadcast's next bucket."""
 
     def __init__(self, buckets: list[WeightBucket]):

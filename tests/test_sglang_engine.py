@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from learner import publish
+from learner.weights import wire
 from rollout.engine import SamplingParams
 from tests.engine_checks import recompute_logp
 
@@ -23,7 +23,7 @@ def test_sglang_mu_matches_transformers_and_weight_updates_apply(smollm2_folder,
             assert (c.rollout_logp - recompute_logp(reference, c, 0.8)).abs().max().item() <= 1e-2  # GPU kernels, TF32
             assert (c.topk_logp.exp().sum(-1) <= 1 + 1e-4).all()
         state = {k: v * 1.01 for k, v in reference.state_dict().items() if k.endswith("mlp.down_proj.weight")}
-        engine.update_weights(publish.buckets(state.items(), version=1))
+        engine.update_weights(wire.buckets(state.items(), version=1))
         assert engine.version == 1
         (after,) = engine.generate(prompt, SamplingParams(n=1, max_new_tokens=4, temperature=1.0, seed=1))
         assert (after[0].versions == 1).all()
@@ -55,7 +55,7 @@ def test_sglang_request_in_flight_across_an_update_records_both_versions(smollm2
         deadline = time.time() + 120
         while engine.tokens_received < 10 and time.time() < deadline:
             time.sleep(0.002)
-        engine.update_weights(publish.buckets(state.items(), version=1))
+        engine.update_weights(wire.buckets(state.items(), version=1))
         thread.join(timeout=300)
         for c in result["group"]:
             v = c.versions.tolist()
@@ -91,7 +91,7 @@ def test_sglang_fp8_rollout_serves_block_fp8_weights_and_follows_updates(smollm2
         gap0 = max((c.rollout_logp - recompute_logp(before, c, 1.0)).abs().mean().item() for c in group)
         assert gap0 < 0.1, gap0
         state = {k: v * 1.05 for k, v in reference.state_dict().items() if k.endswith("mlp.down_proj.weight")}
-        engine.update_weights(publish.buckets(state.items(), version=1))
+        engine.update_weights(wire.buckets(state.items(), version=1))
         after = served(copy.deepcopy(reference), {**reference.state_dict(), **state})
         (group,) = engine.generate(prompt, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=1))
         assert all((c.versions == 1).all() for c in group)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner import publish
+from learner.weights import wire
 from rollout.engine import Completion, SamplingParams
 from tests.engine_checks import recompute_logp
 
@@ -45,7 +45,7 @@ def test_vllm_weight_update_changes_outputs_and_version(engine, reference):
     before = engine.generate(prompt, params)[0][0]
     g = torch.Generator().manual_seed(0)
     state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith("mlp.down_proj.weight")}
-    engine.update_weights(publish.buckets(state.items(), version=engine.version + 1, max_bytes=4 * 2**20))
+    engine.update_weights(wire.buckets(state.items(), version=engine.version + 1, max_bytes=4 * 2**20))
     after = engine.generate(prompt, params)[0][0]
     assert engine.version == 1 and (after.versions == 1).all()
     assert not torch.equal(before.rollout_logp[:1], after.rollout_logp[:1])
@@ -63,7 +63,7 @@ def test_vllm_request_in_flight_across_an_update_records_both_versions(engine, r
 
     g = torch.Generator().manual_seed(1)
     state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in reference.state_dict().items() if k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight"))}
-    publication = list(publish.buckets(state.items(), version=engine.version + 1))
+    publication = list(wire.buckets(state.items(), version=engine.version + 1))
     old = engine.version
     prompt = [engine.chat_prompt("Write a long story about a dragon.")]
     params = SamplingParams(n=2, max_new_tokens=96, temperature=1.0, seed=3)
@@ -108,7 +108,7 @@ def test_a_publication_of_part_of_a_fused_parameter_is_refused_and_the_engine_ke
     before, version = engine.generate(prompt, params)[0][0], engine.version
     up = {k: v * 1.1 for k, v in reference.state_dict().items() if k.endswith("layers.0.mlp.up_proj.weight")}
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight"):
-        engine.update_weights(publish.buckets(up.items(), version=version + 1))
+        engine.update_weights(wire.buckets(up.items(), version=version + 1))
     after = engine.generate(prompt, params)[0][0]
     assert engine.version == version and torch.equal(before.response_ids, after.response_ids)
     assert (after.rollout_logp - recompute_logp(reference, after, 1.0)).abs().max().item() <= 1e-3
@@ -154,7 +154,7 @@ def test_vllm_moe_serves_every_publication_not_only_the_first_load(tiny_moe_mode
     prepack_cpu_experts): without the repack, a publication of the *unchanged* weights moved the
     served probabilities by 0.013; repacking a layer the publication left out would be as wrong. The
     hf engine, holding the same publications, is the reference."""
-    from learner.bridge import load_hf_state_dict
+    from learner.weights.hf_io import load_hf_state_dict
     from rollout.hf_engine import HFEngine
     from rollout.vllm_engine import VLLMEngine
 
@@ -174,7 +174,7 @@ def test_vllm_moe_serves_every_publication_not_only_the_first_load(tiny_moe_mode
         attention_only = {k: v * 0.9 for k, v in base.items() if ".self_attn." in k}  # the experts left out: not repacked again
         for version, state in ((1, base), (2, changed), (3, base), (4, attention_only)):
             for engine in (served, reference):
-                engine.update_weights(publish.buckets(state.items(), version=version, max_bytes=2**20))
+                engine.update_weights(wire.buckets(state.items(), version=version, max_bytes=2**20))
             reference.generate(prompt, SamplingParams(n=1, max_new_tokens=1))  # the hf engine loads a publication at its next call
             gaps.append(largest_gap())
         assert served.version == 4 and max(gaps) < 1e-5, gaps

@@ -31,7 +31,7 @@ def test_broadcast_group_delivers_every_tensor_bit_exactly(tmp_path):
 
 
 def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
-    from learner.broadcast import choose_backend
+    from learner.weights.broadcast import choose_backend
 
     assert choose_backend(["cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"]) == "nccl"
     # a learner and an engine on one GPU (fractional GPUs): NCCL would refuse "Duplicate GPU detected"
@@ -42,8 +42,8 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
 
 
 def test_only_rank_zero_sends():
-    from learner.broadcast import WeightBroadcastGroup
-    from learner.publish import WeightBucket
+    from learner.weights.broadcast import WeightBroadcastGroup
+    from learner.weights.wire import WeightBucket
 
     group = WeightBroadcastGroup.__new__(WeightBroadcastGroup)
     group.rank = 1

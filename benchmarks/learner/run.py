@@ -128,27 +128,27 @@ def _publish_job(spec: dict) -> dict:
 
 
 def _smollm2_named():
-    from learner.bridge import load_hf_state_dict
+    from learner.weights.hf_io import load_hf_state_dict
     from rollout.offline_model import materialize_smollm2
 
     return load_hf_state_dict(materialize_smollm2())
 
 
 def _broadcast_rank(rank: int, world: int, port: int, queue) -> None:
-    from learner import publish
-    from learner.broadcast import WeightBroadcastGroup
+    from learner.weights import wire
+    from learner.weights.broadcast import WeightBroadcastGroup
 
     group = WeightBroadcastGroup("127.0.0.1", port, rank, world)
     if rank == 0:
         named = _smollm2_named()
         t0 = time.perf_counter()
         nbytes = 0
-        for bucket in publish.buckets(named.items(), version=1):
+        for bucket in wire.buckets(named.items(), version=1):
             group.send(bucket)
             nbytes += bucket.nbytes
         queue.put({"bytes": nbytes, "seconds": time.perf_counter() - t0})
     else:
-        publish.assemble(group.receive_publication())
+        wire.assemble(group.receive_publication())
 
 
 def _object_store_publication() -> dict:
@@ -157,18 +157,18 @@ def _object_store_publication() -> dict:
     init_ray(num_cpus=2)
     import ray
 
-    from learner import publish
+    from learner.weights import wire
 
     @ray.remote(num_cpus=0)
     class Consumer:
         def load(self, refs):
-            version, weights = publish.assemble(ray.get(list(refs)))
+            version, weights = wire.assemble(ray.get(list(refs)))
             return sum(t.numel() * t.element_size() for t in weights.values())
 
     consumers = [Consumer.remote() for _ in range(2)]
     named = _smollm2_named()
     t0 = time.perf_counter()
-    refs = [ray.put(b) for b in publish.buckets(named.items(), version=1)]
+    refs = [ray.put(b) for b in wire.buckets(named.items(), version=1)]
     loaded = ray.get([c.load.remote(refs) for c in consumers])
     seconds = time.perf_counter() - t0
     ray.shutdown()

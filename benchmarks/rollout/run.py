@@ -30,7 +30,7 @@ def _job(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(2)
-    from learner import publish
+    from learner.weights import wire
     from rollout.engine import SamplingParams
     from rollout.hf_engine import HFEngine
     from rollout.offline_model import materialize_smollm2
@@ -44,13 +44,13 @@ def _job(spec: dict) -> dict:
     prompts = [engine.chat_prompt(p) for p in PROMPTS]
     params = SamplingParams(n=N, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
     engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4))  # warm-up
-    from learner.bridge import load_hf_state_dict
+    from learner.weights.hf_io import load_hf_state_dict
 
     state = load_hf_state_dict(materialize_smollm2())
-    buckets = list(publish.buckets(state.items(), version=1))
+    buckets = list(wire.buckets(state.items(), version=1))
     t0 = time.perf_counter()
     if spec.get("update"):
-        groups = _generate_with_update(engine, prompts, params, list(publish.buckets(state.items(), version=2)))
+        groups = _generate_with_update(engine, prompts, params, list(wire.buckets(state.items(), version=2)))
     else:
         groups = engine.generate(prompts, params)
     seconds = time.perf_counter() - t0

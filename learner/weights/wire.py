@@ -1,10 +1,11 @@
-"""Weight publication: HF-named tensors in size-bounded buckets, tagged with the policy version.
+"""The wire format of weight publications: HF-named tensors in size-bounded buckets, tagged with
+the policy version.
 
 Rollout engines load weights by Hugging Face name. The learner streams its weights through the
 bridge layer by layer and cuts them into buckets of at most ``max_bytes`` (a tensor larger than
-the bound travels alone), so neither side holds a second full copy in one message. On CPU buckets
-travel through Ray's object store (learner/group.py); on GPU the same buckets are broadcast over an
-NCCL group to the engines (rollout/).
+the bound travels alone), so neither side holds a second full copy in one message. The same
+buckets travel by either transport ``learner.weight_sync`` names: Ray's object store, or the
+broadcast group (broadcast.py), on CPU and GPU alike.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from learner.distributed import bind_gloo_to, rendezvous
-from learner.publish import WeightBucket
+from learner.weights.wire import WeightBucket
 
 
 class WeightBroadcastGroup:

@@ -1,7 +1,7 @@
 """Weight publication over a broadcast group (``learner.weight_sync: broadcast``).
 
     learner rank 0 ──bucket, bucket, …──▶ group ranks 1..N: one per live rollout worker's engine
-                     (NCCL on GPU, gloo on CPU; learner/broadcast.py)
+                     (NCCL on GPU, gloo on CPU; learner/weights/broadcast.py)
 
 The group is formed with every live worker at the start, and formed again whenever its members
 change: a worker that died is left out; a worker back from a restart joins at the next publication
