@@ -150,3 +150,15 @@ def test_a_deadline_at_or_past_the_stall_limit_is_refused_by_name():
     cfg = load_config(None, ["deadlines.engine_call_seconds=1800", "train.stall_fail_seconds=0"])  # no stall limit: any deadline
     assert cfg.deadlines.engine_call_seconds == 1800
     assert load_config(None, []).deadlines.engine_call_seconds < load_config(None, []).train.stall_fail_seconds
+
+
+def test_the_config_modules_import_neither_torch_nor_ray():
+    """A config is read and checked before anything heavy loads (the CLI refuses bad input at once)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, controller.config, learner.config, objectives.config; "
+            "print(sorted(m for m in ('torch', 'ray', 'megatron', 'transformers', 'vllm') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
