@@ -23,21 +23,6 @@ from objectives.config import ObjectiveConfig, required_topk
 
 _TENSOR_PARAMS = ("mask", "rollout_topk_logp", "policy_topk_logp")
 
-__all__ = [
-    "LOG_RATIO_CLAMP",
-    "Metric",
-    "ObjectiveConfig",
-    "ObjectiveInputs",
-    "ObjectiveOutput",
-    "aggregate",
-    "available",
-    "compute",
-    "make_config",
-    "register_objective",
-    "required_topk",
-    "token_loss",
-]
-
 
 def available() -> list[str]:
     """Names of every registered objective, sorted."""
