@@ -187,6 +187,8 @@ def _train(cfg, run_dir, checkpoint, began, backend, startup, stop, train_set, e
               file=sys.stderr)
     if getattr(backend, "placement", None):
         telemetry.placement(backend.placement)
+    if cfg.temperature_note():
+        print(f"drpo train: {cfg.temperature_note()}", file=sys.stderr)
     if telemetry.exporter is not None and cfg.metrics.progress:
         print(f"drpo train: Prometheus metrics on http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics", file=sys.stderr)
     try:

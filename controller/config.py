@@ -401,13 +401,26 @@ class RunConfig(_Config):
             )
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_temperature(cls, data):
+        """The learner takes log-probs at the sampling temperature unless learner.temperature is set."""
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "temperature" in data["rollout"]:
+            learner = data.get("learner")
+            if learner is None or (isinstance(learner, dict) and "temperature" not in learner):
+                return {**data, "learner": {**(learner or {}), "temperature": data["rollout"]["temperature"]}}
+        return data
+
+    def temperature_note(self) -> str | None:
+        """What a run whose learner and rollout temperatures were set apart says at start."""
+        if abs(self.learner.temperature - self.rollout.temperature) <= 1e-12:
+            return None
+        return (f"learner.temperature {self.learner.temperature} differs from rollout.temperature {self.rollout.temperature}: "
+                "pi is taken at another temperature than the one mu was sampled at, so the ratio pi/mu and every "
+                "off-policy gap include that difference (unset learner.temperature to use the sampling one)")
+
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        if abs(self.learner.temperature - self.rollout.temperature) > 1e-12:
-            raise ValueError(
-                f"learner.temperature ({self.learner.temperature}) must equal rollout.temperature ({self.rollout.temperature}): "
-                "mu is taken at the sampling temperature"
-            )
         if self.train.prompts_per_step * self.rollout.samples_per_prompt % (self.train.mini_batches * self.learner.parallel.data):
             raise ValueError(
                 f"train.prompts_per_step * rollout.samples_per_prompt ({self.train.prompts_per_step} x {self.rollout.samples_per_prompt} "

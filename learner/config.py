@@ -17,13 +17,10 @@ class _Config(BaseModel):
 
 
 class ParallelConfig(_Config):
-    """How the learner's world is split. world size = tensor * pipeline * data."""
+    """How the learner's world is split. world size = tensor * data (no pipeline parallelism: the
+    step is not built on megatron's pipeline schedule)."""
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (attention heads, MLP and vocabulary split).")
-    pipeline: int = Field(
-        1, ge=1, le=1, description="Pipeline-parallel size; only 1: the step is not built on megatron's pipeline schedule "
-        "(get_forward_backward_func) yet (README, The learner).",
-    )
     expert: int = Field(
         1, ge=1, description="Expert-parallel size for MoE models: must divide tensor * data (the experts are split over "
         "groups of that many ranks; e.g. expert 2 needs data 2 at tensor 1).",
@@ -32,7 +29,7 @@ class ParallelConfig(_Config):
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.data
 
     @model_validator(mode="after")
     def _expert_divides_data(self) -> "ParallelConfig":
@@ -115,7 +112,6 @@ class LearnerConfig(_Config):
     )
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature the rollout used; log-probs are taken at it.")
     compute_entropy: bool = Field(True, description="Report the learner's per-token entropy.")
-    topk: int = Field(0, ge=0, description="Also return the learner's top-K log-probs (0 = off).")
     max_chunk_elements: int = Field(2**25, ge=1024, description="Logits per chunk in the memory-bounded log-prob kernel.")
     seed: int = Field(1234, description="Seed for weight init of layers the checkpoint does not cover, and RNG state.")
 

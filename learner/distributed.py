@@ -22,7 +22,7 @@ def init(
     ``master_addr:master_port``; either way only that address listens, and gloo binds the interface
     that holds it."""
     if world_size != parallel.world_size:
-        raise ValueError(f"world size {world_size} does not match parallel config (tensor*pipeline*data = {parallel.world_size})")
+        raise ValueError(f"world size {world_size} does not match parallel config (tensor*data = {parallel.world_size})")
     cpu_shims.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -37,7 +37,7 @@ def init(
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor,
-            pipeline_model_parallel_size=parallel.pipeline,
+            pipeline_model_parallel_size=1,
             expert_model_parallel_size=parallel.expert,
         )
     cpu_shims.init_rng_tracker()

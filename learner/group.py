@@ -1,6 +1,6 @@
 """LearnerGroup: a placement group of LearnerWorker actors that act as one learner.
 
-It places N = tensor * pipeline * data workers (one bundle each, PACK: a multi-GPU node first),
+It places N = tensor * data workers (one bundle each, PACK: a multi-GPU node first),
 starts the process group on rank 0's address, splits each batch across data-parallel ranks and fans
 calls out. Data-parallel rank r (ranks are tensor-major, as megatron orders them) gets the r-th
 contiguous slice of the batch's sequences.

@@ -149,7 +149,7 @@ class Learner:
         source = packed.source.to(device)[scored]
         out = logprobs_from_hidden(
             hidden.reshape(-1, hidden.shape[-1])[source], self._output_weight(), input_ids.to(device)[scored], self.cfg.temperature,
-            entropy=self.cfg.compute_entropy, topk=self.cfg.topk, max_chunk_elements=self.cfg.max_chunk_elements,
+            entropy=self.cfg.compute_entropy, max_chunk_elements=self.cfg.max_chunk_elements,
             ids=None if ids is None else ids.to(device)[scored],
         )
 

@@ -91,8 +91,15 @@ def test_bad_values_fail_with_the_field_name(override, field):
 def test_cross_field_checks_name_the_fields():
     with pytest.raises(ConfigError, match="train.max_staleness must be 0 in sync mode"):
         load_config(overrides=["train.mode=sync", "train.max_staleness=2"])
-    with pytest.raises(ConfigError, match="learner.temperature"):
-        load_config(overrides=["rollout.temperature=0.7"])
+
+
+
+def test_the_learner_takes_log_probs_at_the_sampling_temperature_unless_set_apart():
+    shared = load_config(overrides=["rollout.temperature=0.7"])
+    assert shared.learner.temperature == 0.7 and shared.temperature_note() is None
+    apart = load_config(overrides=["rollout.temperature=0.7", "learner.temperature=1.0"])
+    assert apart.learner.temperature == 1.0 and "learner.temperature 1.0 differs from rollout.temperature 0.7" in apart.temperature_note()
+    assert RunConfig.model_validate({"rollout": {"temperature": 0.5}}).learner.temperature == 0.5  # built in code too
 
 
 def test_unreadable_or_malformed_files_are_named(tmp_path):
