@@ -1,8 +1,10 @@
 """RolloutWorker: a Ray actor that turns admitted prompts into scored groups, asynchronously.
 
-Thin around an Engine: ``submit`` queues (ticket, problem) pairs and returns at once; a background
-thread takes them in order, generates a group of n samples, scores every completion, and appends
-the finished ``Group`` record (rollout/records.py) to an outbox that ``poll`` drains.
+Thin around its parts: ``submit`` queues (ticket, problem) pairs in the inbox (rollout/scheduler.py)
+and returns at once; a background thread takes the next engine call's prompts from it, generates
+their groups of n samples with the engine, has the grader (rollout/grader.py) check and score every
+completion, and appends the finished ``Group`` records (rollout/records.py) to an outbox that
+``poll`` drains. Fault injection for tests goes through rollout/chaos.py alone.
 ``update_weights`` stages a publication while generation runs; the engine swaps it in between two
 decoding steps, so no request is dropped and a response spanning the update records both versions.
 ``heartbeat`` reports liveness and progress. A bad prompt, a generation or reward failure, or
@@ -13,17 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import re
 import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from rollout.engine import Completion, EngineDied, EndedProcess, SamplingParams, make_engine, mix_seed
-from rollout.records import EvalTicket, Group, Sample, Started, Ticket, TrainTicket
-from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
+from rollout.chaos import Chaos
+from rollout.engine import EngineDied, EndedProcess, SamplingParams, make_engine, mix_seed
+from rollout.grader import Grader
+from rollout.records import EvalTicket, Group, Started, Ticket
+from rollout.scheduler import Inbox, Submission
 from rollout.tasks import Problem
 
 
@@ -33,32 +34,6 @@ class _Stats:
     tokens: int = 0
     failures: int = 0
     last_step: float = field(default_factory=time.time)
-
-
-def make_reward(name: str, require_marker: bool = False, verify_timeout_s: float = 5.0):
-    if name == "literal":
-        return LiteralNumberReward(require_marker)
-    if name == "math_verify":
-        return MathVerifyReward(verify_timeout_s, require_marker)
-    raise ValueError(f"unknown reward {name!r}; expected 'literal' or 'math_verify'")
-
-
-def completion_problem(c: Completion, topk: int) -> str | None:
-    """What is wrong with an engine's completion, or None: per-token tensors must match the response
-    length, mu must be finite, and top-K must be there (with K columns) when it was asked for."""
-    length = len(c.response_ids)
-    if len(c.rollout_logp) != length or len(c.versions) != length:
-        return f"engine returned {len(c.rollout_logp)} log-probs and {len(c.versions)} versions for {length} tokens"
-    if not torch.isfinite(c.rollout_logp).all():
-        return "engine returned NaN or inf behaviour log-probs"
-    if length and int(c.versions.min()) < c.prompt_version:
-        return f"engine stamped a token with version {int(c.versions.min())}, older than its prompt's {c.prompt_version}"
-    if topk and length:  # an empty response has nothing to report (engines may give None)
-        if c.topk_ids is None or c.topk_logp is None:
-            return f"engine returned no top-{topk} log-probs although they were asked for"
-        if tuple(c.topk_ids.shape) != (length, topk) or tuple(c.topk_logp.shape) != (length, topk):
-            return f"engine returned top-K of shape {tuple(c.topk_ids.shape)}, expected ({length}, {topk})"
-    return None
 
 
 _ERROR_LINE_RE = re.compile(r"(?:^|\] )([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
@@ -110,78 +85,6 @@ def _cause(err: BaseException, ended: list[EndedProcess] = ()) -> str:
     return text + (f" (at: {tail})" if tail else "")
 
 
-def _restarted() -> bool:
-    """Whether this actor is a restart (Ray reconstructed it after its process died)."""
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
-
-
-TRAINING_AHEAD_OF_EVALUATION = 2
-"""Engine calls of training prompts that may go ahead of a waiting evaluation prompt: training
-first, so evaluation never delays the learner's next batch, but an evaluation is never starved
-when the rollout is the slower stage (there is always training work queued then)."""
-
-
-def _call_key(item: tuple[Ticket, Problem, int]) -> tuple[int, bool]:
-    """Submissions generated in one engine call share n and decoding (greedy or sampled)."""
-    return item[2], bool(getattr(item[0], "greedy", False))
-
-
-class _Inbox:
-    """Queued (ticket, problem, n) submissions, each kind in order: training first, evaluation
-    after at most TRAINING_AHEAD_OF_EVALUATION training calls. ``close`` drops what is queued (the
-    controller takes queued work back with ``cancel_queued`` before it stops a worker)."""
-
-    def __init__(self) -> None:
-        self._queues: tuple[list, list] = ([], [])  # training, evaluation
-        self._cond = threading.Condition()
-        self._closed = False
-        self._ahead = 0  # training calls served while evaluation waited
-
-    def put(self, item: tuple[Ticket, Problem, int]) -> None:
-        with self._cond:
-            self._queues[isinstance(item[0], EvalTicket)].append(item)
-            self._cond.notify()
-
-    def qsize(self) -> int:
-        with self._cond:
-            return sum(len(q) for q in self._queues)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def drain(self) -> list[tuple[Ticket, Problem, int]]:
-        with self._cond:
-            items = self._queues[0] + self._queues[1]
-            self._queues[0].clear()
-            self._queues[1].clear()
-            return items
-
-    def take(self, limit) -> list[tuple[Ticket, Problem, int]] | None:
-        """Block for the next submissions to generate together: the head of the first non-empty
-        queue and what follows it with the same n and decoding, at most ``limit(n)``; None once closed."""
-        with self._cond:
-            while not self._closed and not any(self._queues):
-                self._cond.wait()
-            if self._closed:
-                return None
-            train, evaluation = self._queues
-            if train and (not evaluation or self._ahead < TRAINING_AHEAD_OF_EVALUATION):
-                q, self._ahead = train, self._ahead + bool(evaluation)
-            else:
-                q, self._ahead = evaluation, 0
-            n, key = q[0][2], _call_key(q[0])
-            count = 1
-            while count < min(len(q), limit(n)) and _call_key(q[count]) == key:
-                count += 1
-            batch = q[:count]
-            del q[:count]
-            return batch
-
-
 class RolloutWorker:
     """Create with ``ray.remote(RolloutWorker)``; every method returns quickly."""
 
@@ -200,14 +103,11 @@ class RolloutWorker:
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.eval_sampling = dataclasses.replace(self.sampling, topk_logprobs=0, **(eval_sampling or {}))
-        self.scoring = dict(scoring or {})
-        self.reward = make_reward(reward, self.scoring.get("require_marker", False), self.scoring.get("verify_timeout_s", 5.0))
         self.worker_id = worker_id
         self.max_batch_prompts, self.max_prompt_tokens = max_batch_prompts, max_prompt_tokens
-        self.chaos = dict(chaos or {})
-        self._chaos_rng = random.Random(self.chaos.pop("seed", 0))
-        self._train_groups = 0
-        self._inbox = _Inbox()
+        self.chaos = Chaos(chaos, worker_id)
+        self.grader = Grader(reward, scoring or {}, self.sampling.max_new_tokens, worker_id, self.chaos)
+        self._inbox = Inbox()
         self._outbox: list[Group] = []
         self._started: list[Started] = []
         self._lock = threading.Lock()
@@ -256,34 +156,15 @@ class RolloutWorker:
                     return out, started
             time.sleep(0.05)
 
-    def collect(self, min_groups: int = 1, timeout_s: float = 0.0) -> list[Group]:
-        """Finished groups (all of them), waiting up to ``timeout_s`` for at least ``min_groups``."""
-        deadline = time.time() + timeout_s
-        while True:
-            with self._lock:
-                if len(self._outbox) >= min_groups or time.time() >= deadline:
-                    out, self._outbox = self._outbox, []
-                    return out
-            time.sleep(0.05)
-
     def update_weights(self, bucket_refs: list) -> int:
         """Stage a publication (object-store refs of WeightBuckets); returns its version."""
         import ray
 
         buckets = ray.get(list(bucket_refs))
         self._weight_loads += 1
-        self._hang_by_chaos("hang_weight_load", self._weight_loads)
+        self.chaos.hang("hang_weight_load", self._weight_loads)
         self.engine.update_weights(buckets)
         return buckets[-1].version
-
-    def _chaos_first_life(self, option: str, count: int) -> bool:
-        """Whether chaos ``option`` fires now: worker 0, in its first life, at its N-th call."""
-        return self.chaos.get(option) == count and self.worker_id == 0 and not _restarted()
-
-    def _hang_by_chaos(self, option: str, count: int) -> None:
-        """chaos hang_generate / hang_weight_load: worker 0, in its first life, blocks forever at the N-th call."""
-        if self._chaos_first_life(option, count):
-            threading.Event().wait()
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join the learner's weight broadcast group as ``rank`` (called for every member at once)."""
@@ -294,13 +175,10 @@ class RolloutWorker:
         (the worker then waits outside the group until it is formed again)."""
         started = time.perf_counter()
         self._receives += 1
-        chaos = self.worker_id == 0 and not _restarted()
-        if chaos and self.chaos.get("exit_on_receive") == self._receives:
-            os._exit(1)  # chaos: the process dies during a publication
+        self.chaos.on_receive(self._receives)
         try:
             version = self.engine.receive_weights()
-            if chaos and self.chaos.get("fail_on_receive") == self._receives:
-                raise RuntimeError("chaos: the engine failed to load the publication")
+            self.chaos.after_receive(self._receives)
         except Exception as err:
             return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - started}
         return {"version": version, "seconds": time.perf_counter() - started}
@@ -327,7 +205,7 @@ class RolloutWorker:
         engine (its processes and staging folders) and the reward's verifier."""
         self._inbox.close()
         self._thread.join(timeout=timeout_s)
-        for part in (self.engine, self.reward):
+        for part in (self.engine, self.grader):
             close = getattr(part, "close", None)
             if close is not None:
                 try:
@@ -345,7 +223,7 @@ class RolloutWorker:
             with self._lock:
                 self._in_flight += len(batch)
                 self._started += [Started(ticket, self.worker_id, version) for ticket, _, _ in batch]
-            groups = self._lose_by_chaos(self._generate(batch, version))
+            groups = self.chaos.lose(self._generate(batch, version))
             if self._dead is not None:
                 return  # nothing more runs here: poll reports the death, the backend restarts the worker
             with self._lock:
@@ -355,20 +233,6 @@ class RolloutWorker:
                 self._stats.failures += sum(g.error is not None for g in groups)
                 self._stats.tokens += sum(g.tokens for g in groups)
                 self._stats.last_step = time.time()
-
-    def _lose_by_chaos(self, groups: list[Group]) -> list[Group]:
-        """chaos lose_group: worker 0 never returns its N-th training group (a request that hangs)."""
-        n = self.chaos.get("lose_group")
-        if n is None or self.worker_id != 0:
-            return groups
-        kept = []
-        for g in groups:
-            if isinstance(g.ticket, TrainTicket):
-                self._train_groups += 1
-                if self._train_groups == n:
-                    continue
-            kept.append(g)
-        return kept
 
     def _prompt_ids(self, problem: Problem) -> list[int]:
         if not problem.prompt.strip():
@@ -390,7 +254,7 @@ class RolloutWorker:
         seeds = None if base.seed is None else tuple(mix_seed(base.seed, repr(t)) for t in tickets)
         return dataclasses.replace(base, n=n, prompt_seeds=seeds)
 
-    def _generate(self, batch: list[tuple[Ticket, Problem, int]], version: int) -> list[Group]:
+    def _generate(self, batch: list[Submission], version: int) -> list[Group]:
         """Groups in submission order; a bad prompt fails its own group only."""
         started = time.perf_counter()
         out: dict[int, Group] = {}
@@ -407,11 +271,7 @@ class RolloutWorker:
             self._engine_calls += 1
             self._engine_call_began = time.monotonic()
             try:
-                self._hang_by_chaos("hang_generate", self._engine_calls)
-                if self._chaos_first_life("kill_engine", self._engine_calls):
-                    self.engine.kill_for_chaos()
-                if getattr(self.engine, "_chaos_dead", False):
-                    raise EngineDied("chaos: the engine died (kill_engine)")
+                self.chaos.before_generate(self.engine, self._engine_calls)
                 results = self.engine.generate(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why
                 self._engine_call_began = None
@@ -429,49 +289,8 @@ class RolloutWorker:
                 self._engine_call_began = None  # scoring is not the engine's time
                 seconds = (time.perf_counter() - started) / len(prompts)
                 for i, completions in zip(prompts, results):
-                    out[i] = self._score_group(batch[i][0], batch[i][1], completions, version, seconds, params.topk_logprobs)
+                    out[i] = self.grader.grade(batch[i][0], batch[i][1], completions, version, seconds, params.topk_logprobs, self._decode)
         return [out[i] for i in range(len(batch))]
 
-    def _inject(self, completions: list[Completion]) -> list[Completion]:
-        """Chaos: corrupt engine output on purpose (rates from ``chaos``)."""
-        rng = self._chaos_rng
-        if rng.random() < self.chaos.get("nan_logp_rate", 0.0):
-            completions = [dataclasses.replace(c, rollout_logp=torch.full_like(c.rollout_logp, float("nan"))) for c in completions]
-        return [
-            dataclasses.replace(c, response_ids=c.response_ids[:0], rollout_logp=c.rollout_logp[:0], versions=c.versions[:0],
-                                topk_ids=None if c.topk_ids is None else c.topk_ids[:0], topk_logp=None if c.topk_logp is None else c.topk_logp[:0])
-            if rng.random() < self.chaos.get("empty_response_rate", 0.0) else c
-            for c in completions
-        ]
-
-    def _score_group(
-        self, ticket: Ticket, problem: Problem, completions: list[Completion], version: int, seconds: float, topk: int
-    ) -> Group:
-        if self.chaos:
-            completions = self._inject(completions)
-        for c in completions:
-            problem_ = completion_problem(c, topk)
-            if problem_ is not None:
-                return Group(ticket, self.worker_id, (), version, seconds, error=problem_)
-        if not any(len(c.response_ids) for c in completions):
-            return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
-        texts = [self.engine.tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in completions]
-        samples = tuple(Sample(c, t, self._shaped(c, self._score(t, problem.ground_truth))) for c, t in zip(completions, texts))
-        return Group(ticket, self.worker_id, samples, version, seconds)
-
-    def _shaped(self, c: Completion, result: RewardResult) -> RewardResult:
-        """The over-long shaping of ``rollout.scoring`` added to a verdict (training groups and
-        evaluation alike; evaluation reads correctness only)."""
-        shaping = overlong_shaping(
-            len(c.response_ids), self.sampling.max_new_tokens, c.finish_reason == "length",
-            self.scoring.get("overlong_penalty", 0.0), self.scoring.get("overlong_buffer", 0),
-        )
-        return dataclasses.replace(result, shaping=shaping) if shaping else result
-
-    def _score(self, text: str, truth: str) -> RewardResult:
-        try:
-            if self.chaos and self._chaos_rng.random() < self.chaos.get("reward_error_rate", 0.0):
-                raise RuntimeError("chaos: injected reward failure")
-            return self.reward(text, truth)
-        except Exception as err:
-            return RewardResult(0.0, None, "error", detail=type(err).__name__)
+    def _decode(self, ids) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)

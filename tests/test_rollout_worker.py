@@ -15,6 +15,16 @@ from rollout.tasks import Problem, arithmetic_split
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 
+def poll_groups(ray, worker, count: int, timeout_s: float) -> list:
+    """The worker's finished groups through ``poll``, as the controller takes them, until ``count`` came."""
+    import time
+
+    groups, deadline = [], time.monotonic() + timeout_s
+    while len(groups) < count and time.monotonic() < deadline:
+        groups += ray.get(worker.poll.remote(timeout_s=1.0))[0]
+    return groups
+
+
 def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm2_folder):
     from rollout.worker import RolloutWorker
 
@@ -26,7 +36,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     tickets = [TrainTicket(0, p.id) for p in problems]
     for t, p in zip(tickets, problems):
         ray.get(worker.submit.remote(t, p))
-    groups = ray.get(worker.collect.remote(min_groups=3, timeout_s=240))
+    groups = poll_groups(ray, worker, 3, timeout_s=240)
     assert [g.ticket for g in groups] == tickets and all(g.worker == 7 and g.started_version == 0 for g in groups)
     for g in groups[:2]:
         assert g.error is None and len(g.samples) == 3 and all(s.text for s in g.samples)
@@ -44,7 +54,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     refs = [ray.put(b) for b in wire.buckets(state.items(), version=4)]
     assert ray.get(worker.update_weights.remote(refs)) == 4
     ray.get(worker.submit.remote(EvalTicket(0, problems[0].id), problems[0]))
-    (group,) = ray.get(worker.collect.remote(min_groups=1, timeout_s=120))
+    (group,) = poll_groups(ray, worker, 1, timeout_s=120)
     assert group.ticket == EvalTicket(0, problems[0].id) and group.started_version <= group.oldest_version == 4
     assert all((s.completion.versions == 4).all() and s.completion.topk_ids is None for s in group.samples)  # eval: no top-K
     assert ray.get(worker.heartbeat.remote())["version"] == 4
@@ -54,9 +64,9 @@ def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
     """A worker's queue: training prompts first (an evaluation never delays the learner's next
     batch) but never more than 2 calls ahead of a waiting evaluation, each kind in submission
     order; evaluation (1 sample each) takes as many prompts as the rows training uses."""
-    from rollout.worker import _Inbox
+    from rollout.scheduler import Inbox
 
-    inbox = _Inbox()
+    inbox = Inbox()
     evals = [(EvalTicket(0, f"e{i}"), Problem(f"e{i}", "q", "1"), 1) for i in range(20)]
     trains = [(TrainTicket(0, f"t{i}"), Problem(f"t{i}", "q", "1"), 8) for i in range(3)]
     for item in evals[:10] + trains + evals[10:]:

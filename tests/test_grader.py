@@ -1,0 +1,46 @@
+"""The grader and the chaos seam on their own, without Ray or an engine: completions in, a Group out."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.chaos import Chaos
+from rollout.engine import Completion
+from rollout.grader import Grader
+from rollout.records import TrainTicket
+from rollout.tasks import Problem
+
+TEXTS = {1: "The answer is 42", 2: "41", 3: "42 and more"}
+
+
+def completion(token: int, length: int = 3, finish: str = "stop", logp: float = -0.5) -> Completion:
+    return Completion(torch.tensor([7, 8]), torch.full((length,), token), torch.full((length,), logp), torch.zeros(length, dtype=torch.long),
+                      finish, 0)
+
+
+def decode(ids: torch.Tensor) -> str:
+    return TEXTS[int(ids[0])] if len(ids) else ""
+
+
+def test_a_group_is_scored_shaped_and_failed_only_for_bad_engine_output():
+    grader = Grader("literal", {"overlong_penalty": 0.5}, max_new_tokens=3, worker_id=2)
+    ticket, problem = TrainTicket(0, "p"), Problem("p", "What is 6*7?", "42")
+    group = grader.grade(ticket, problem, [completion(1), completion(2), completion(3, finish="length")], 0, 0.1, 0, decode)
+    assert group.error is None and group.worker == 2
+    assert [s.reward.reason for s in group.samples] == ["correct", "wrong", "correct"]
+    assert [s.reward.value for s in group.samples] == [1.0, 0.0, 0.5]  # cut at max_new_tokens: shaped, still correct
+    bad = grader.grade(ticket, problem, [completion(1), completion(2, logp=float("nan"))], 0, 0.1, 0, decode)
+    assert bad.error == "engine returned NaN or inf behaviour log-probs" and bad.samples == ()
+    missing = grader.grade(ticket, problem, [completion(1)], 0, 0.1, 2, decode)
+    assert missing.error == "engine returned no top-2 log-probs although they were asked for"
+
+
+def test_chaos_is_one_seam_that_does_nothing_unless_configured():
+    ticket, problem = TrainTicket(0, "p"), Problem("p", "q", "42")
+    quiet = Chaos({}, worker_id=0)
+    assert quiet.corrupt([completion(1)])[0].response_ids.tolist() == [1, 1, 1] and not quiet.reward_fails()
+    failing = Grader("literal", {}, 3, 0, Chaos({"reward_error_rate": 1.0}, worker_id=0))
+    group = failing.grade(ticket, problem, [completion(1), completion(2)], 0, 0.1, 0, decode)
+    assert [(s.reward.reason, s.reward.detail, s.reward.score) for s in group.samples] == [("error", "RuntimeError", 0.0)] * 2
+    emptied = Grader("literal", {}, 3, 0, Chaos({"empty_response_rate": 1.0}, worker_id=0))
+    assert emptied.grade(ticket, problem, [completion(1)], 0, 0.1, 0, decode).error == "every response is empty"
