@@ -221,7 +221,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = load_config(target / "config.yaml" if is_run else args.config, list(args.set or []))
         prepare(cfg.ray_address)  # before anything imports ray
         from controller.app import check_machine, problems
-        from controller.evaluate import check_model_folder, evaluate_folder, evaluate_run
+        from controller.eval_command import check_model_folder, evaluate_folder, evaluate_run
 
         if not is_run:
             check_model_folder(target)

@@ -18,7 +18,7 @@ from pathlib import Path
 import objectives
 from controller import checkpoints
 from controller.backend import Backend, Events, TrainResult
-from controller.batch import Batch, BatchBuilder
+from controller.batch_builder import Batch, BatchBuilder
 from controller.config import RunConfig, dump
 from controller.eval_metrics import set_summary
 from controller.ledger import Ledger, PromptSampler

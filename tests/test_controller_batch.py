@@ -1,11 +1,11 @@
-"""Group records -> TrainBatch (controller/batch.py): token alignment, advantages, version lag, top-K, filtering."""
+"""Group records -> TrainBatch (controller/batch_builder.py): token alignment, advantages, version lag, top-K, filtering."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from controller.batch import BatchBuilder
+from controller.batch_builder import BatchBuilder
 from objectives.config import AdvantageConfig
 from rollout.engine import Completion
 from rollout.records import Group, Sample, TrainTicket

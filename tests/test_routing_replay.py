@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from controller.batch import completion_batch
+from controller.batch_builder import completion_batch
 from learner.config import LearnerConfig
 from rollout.engine import SamplingParams
 from rollout.tasks import arithmetic_split

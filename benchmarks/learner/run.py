@@ -268,7 +268,7 @@ def _gap_job(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(2)
-    from controller.batch import BatchBuilder
+    from controller.batch_builder import BatchBuilder
     from learner import distributed
     from learner.config import LearnerConfig
     from learner.learner import Learner

@@ -38,7 +38,7 @@ def scaled_model(folder: Path, scale: float) -> Path:
 
 
 def measure(folder: Path, prompts: int) -> dict[str, float]:
-    from controller.batch import completion_batch
+    from controller.batch_builder import completion_batch
     from learner.config import LearnerConfig
     from learner.learner import Learner
     from rollout.engine import SamplingParams
