@@ -12,7 +12,8 @@ from pathlib import Path
 
 import objectives
 from controller.artifacts import export_run
-from controller.config import ArithmeticTask, ConfigError, RunConfig, WordProblemTask, dump
+from controller.config import ConfigError, RunConfig, dump
+from rollout.config import ArithmeticTask, WordProblemTask
 from controller.hardware import cuda_gpus, resolve_precision
 from controller.loggers import build as build_loggers
 from controller.checkpoints import checkpoint_step, latest_checkpoint

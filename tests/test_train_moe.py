@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from controller.app import train
-from controller.config import DatasetTask
+from rollout.config import DatasetTask
 from tests.test_controller_e2e import records, run_config
 from tests.fault_checks import assert_ledger_exact
 from tests.test_weight_sync import one_learner_step, served_equals_learner

@@ -11,7 +11,7 @@ import ray
 import torch
 
 from controller.app import train
-from controller.config import ChaosConfig
+from rollout.config import ChaosConfig
 from learner.batch import TrainBatch
 from rollout.engine import tensor_checksum
 from tests.test_controller_e2e import records, run_config
