@@ -142,10 +142,10 @@ def make_backend(cfg: RunConfig):
     if cfg.simulation is not None:
         from controller.simulation import SimulatedBackend
 
-        return SimulatedBackend(cfg.simulation, cfg.rollout.workers, topk=objectives.required_topk(cfg.learner.objective))
+        return SimulatedBackend.build(cfg.simulation, workers=cfg.rollout.workers, topk=objectives.required_topk(cfg.learner.objective))
     from controller.ray_backend import RayBackend
 
-    return RayBackend(cfg)
+    return RayBackend.build(cfg)
 
 
 def train(
@@ -194,7 +194,7 @@ def _train(cfg, run_dir, checkpoint, began, backend, startup, stop, train_set, e
         print(f"drpo train: Prometheus metrics on http://{telemetry.exporter.host}:{telemetry.exporter.port}/metrics", file=sys.stderr)
     try:
         check_shared(run_dir, lambda nonce: backend.probe_storage(str(run_dir.resolve()), nonce))
-        ctl = Controller(cfg, backend, train_set, eval_sets, telemetry, stop)
+        ctl = Controller.build(cfg, backend=backend, train=train_set, evals=eval_sets, telemetry=telemetry, stop=stop)
         if checkpoint is not None:
             ctl.restore(checkpoint)
         ctl.run()

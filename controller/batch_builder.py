@@ -35,8 +35,15 @@ class Batch:
 
 class BatchBuilder:
     def __init__(self, advantages: AdvantageConfig, topk: int = 0, pad_id: int = 0):
-        """``topk``: K of the engine top-K log-probs the objective needs (0: none are batched)."""
+        """Use ``build``."""
         self.advantages, self.topk, self.pad_id = advantages, topk, pad_id
+
+    @classmethod
+    def build(cls, config: AdvantageConfig, *, topk: int = 0, pad_id: int = 0) -> "BatchBuilder":
+        """Batches with advantages as ``config`` estimates them; ``topk``: K of the engine top-K
+        log-probs the objective needs (0: none are batched); ``pad_id``: the padding token."""
+        AdvantageConfig.expect(config, "BatchBuilder")
+        return cls(config, topk, pad_id)
 
     def rejects(self, group: Group) -> str | None:
         """Why a finished (not failed) group is not trained on, or None: with zero-variance
@@ -46,7 +53,7 @@ class BatchBuilder:
             return f"all rewards {rewards[0]:g}"
         return None
 
-    def build(self, groups: list[Group], version: int) -> Batch:
+    def batch(self, groups: list[Group], version: int) -> Batch:
         """Rows are prompt + response (right-padded), in group order; every group must hold the same n."""
         sizes = {len(g.samples) for g in groups}
         if len(sizes) != 1 or 0 in sizes:

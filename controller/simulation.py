@@ -59,6 +59,13 @@ class SimulatedBackend(Backend):
         self._published = 0
         self.crashes = 0
 
+    @classmethod
+    def build(cls, config: SimulationConfig, *, workers: int, topk: int = 0) -> "SimulatedBackend":
+        """A simulated cluster of ``workers`` rollout workers and one learner, timed as ``config`` says;
+        ``topk``: K of the engine top-K log-probs each synthetic token carries (the objective's need)."""
+        SimulationConfig.expect(config, "SimulatedBackend")
+        return cls(config, workers, topk)
+
     def now(self) -> float:
         return self.clock
 

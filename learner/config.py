@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from objectives.config import AggregationConfig, DRPOConfig, ObjectiveConfig
+from objectives.config import AggregationConfig, DRPOConfig, ObjectiveConfig, Section
 
 Packing = Literal["none", "sequences", "shared_prompt"]
 """How the learner lays sequences out for its forward (learner/packing.py)."""
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ParallelConfig(_Config):
+class ParallelConfig(Section):
     """How the learner's world is split. world size = tensor * data (no pipeline parallelism: the
     step is not built on megatron's pipeline schedule)."""
 
@@ -41,7 +37,7 @@ class ParallelConfig(_Config):
         return self
 
 
-class OptimizerConfig(_Config):
+class OptimizerConfig(Section):
     """AdamW with a warm-up then constant, linear or cosine schedule."""
 
     lr: float = Field(1e-6, gt=0.0, description="Peak learning rate.")
@@ -61,7 +57,7 @@ class OptimizerConfig(_Config):
         return self
 
 
-class LearnerConfig(_Config):
+class LearnerConfig(Section):
     """Everything a Learner needs besides its process group and model weights."""
 
     objective: ObjectiveConfig = Field(default_factory=DRPOConfig, description="The policy objective and its parameters.")
@@ -133,3 +129,15 @@ class LearnerConfig(_Config):
                 "engine's token positions, which the replayed routing is laid out by"
             )
         return self
+
+
+class LearnerResources(Section):
+    """Where and on what each learner rank runs (the run config's ``learner_resources``)."""
+
+    cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray CPUs per learner rank.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="Ray GPUs per learner rank.")
+    threads: int = Field(1, ge=1, description="torch threads per learner rank.")
+    node_resource: str | None = Field(
+        None, min_length=1, description="Ray custom resource a node must declare to host learner ranks (each rank's bundle "
+        "requests ROLE_RESOURCE_SHARE of it), e.g. learner_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
+    )

@@ -14,9 +14,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.host import check_host
-from learner.placement import wait_placed
+from learner.placement import role_resources, wait_placed
 from learner.weights.wire import DEFAULT_BUCKET_BYTES, Publication
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, LearnerResources
 from learner.batch import TrainBatch
 from learner.learner import StepMetrics
 from learner.worker import LearnerWorker
@@ -46,16 +46,12 @@ def _get(refs: list, call: str, timeout: float | None):
 
 
 class LearnerGroup:
-    def __init__(
-        self, cfg: LearnerConfig, model_folder: str, *, cpus_per_worker: float = 1, gpus_per_worker: float = 0, threads: int | None = None,
-        wait: bool = True, resources: dict[str, float] | None = None,
-    ):
-        """``wait=False``: return once the placement group is reserved and the ranks are loading
-        their model; ``ready()`` waits for them (so other actors can load meanwhile). ``resources``:
-        custom Ray resources each rank's bundle also requests (role placement)."""
+    def __init__(self, cfg: LearnerConfig, resources: LearnerResources, model_folder: str, *, wait: bool = True):
+        """Use ``build``."""
         self.cfg = cfg
         n = cfg.parallel.world_size
-        bundle = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if gpus_per_worker else {}), **(resources or {})}
+        per_rank = resources.cpus_per_worker
+        bundle = {"CPU": per_rank, **({"GPU": resources.gpus_per_worker} if resources.gpus_per_worker else {}), **role_resources(resources.node_resource)}
         self.pg = placement_group([bundle] * n, strategy="PACK")
         p = cfg.parallel
         wait_placed(self.pg, f"the learner group ({n} ranks: learner.parallel tensor {p.tensor} x data {p.data}, each "
@@ -63,16 +59,26 @@ class LearnerGroup:
         actor = ray.remote(LearnerWorker)
         self.workers = [
             actor.options(
-                num_cpus=cpus_per_worker,
-                num_gpus=gpus_per_worker,
+                num_cpus=per_rank,
+                num_gpus=resources.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(cfg.model_dump(), i, n, threads or max(1, int(cpus_per_worker)))
+            ).remote(cfg, i, n, resources.threads)
             for i in range(n)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
         self._setup = [w.setup.remote(addr, port, str(model_folder)) for w in self.workers]
         if wait:
             self.ready()
+
+    @classmethod
+    def build(cls, config: LearnerConfig, *, model_folder: str, resources: LearnerResources | None = None, wait: bool = True) -> "LearnerGroup":
+        """A learner group of ``config.parallel.world_size`` ranks, each placed as ``resources`` say
+        (default: one CPU, one thread), loading the HF model in ``model_folder``. ``wait=False``:
+        return once the placement group is reserved and the ranks are loading their model;
+        ``ready()`` waits for them (so other actors can load meanwhile)."""
+        LearnerConfig.expect(config, "LearnerGroup")
+        resources = LearnerResources.expect(resources or LearnerResources(), "LearnerGroup (resources)")
+        return cls(config, resources, model_folder, wait=wait)
 
     def ready(self, timeout: float | None = None) -> None:
         """Wait (up to ``timeout`` seconds: LearnerTimeout) until every rank has joined the process
@@ -84,10 +90,10 @@ class LearnerGroup:
     def _dp_rank(self, rank: int) -> int:
         return rank // self.cfg.parallel.tensor
 
-    def train_step(self, batch: TrainBatch) -> StepMetrics:
-        """One optimizer step over ``batch`` split across data-parallel ranks; rank 0's metrics
-        (already reduced across ranks)."""
-        return check_host(ray.get(self.submit_train(batch, 1)[0]), "train_step")
+    def train(self, batch: TrainBatch, mini_batches: int = 1) -> StepMetrics:
+        """``batch`` trained as ``mini_batches`` updates, each split across data-parallel ranks
+        (``submit_train``, waited for); rank 0's metrics (already reduced across ranks)."""
+        return check_host(ray.get(self.submit_train(batch, mini_batches)[0]), "train")
 
     def submit_train(self, batch: TrainBatch, mini_batches: int = 1) -> list:
         """Start ``mini_batches`` updates on consecutive slices of ``batch`` (each split across

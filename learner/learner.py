@@ -83,9 +83,12 @@ class Learner:
         self.version = 0
 
     @classmethod
-    def from_hf_folder(cls, cfg: LearnerConfig, folder) -> "Learner":
-        arch = modeling.ModelArch.from_hf_folder(folder)
-        return cls(cfg, arch, bridge.hf_to_megatron(load_hf_state_dict(folder), arch))
+    def build(cls, config: LearnerConfig, *, model_folder) -> "Learner":
+        """This rank's learner, with the weights of the HF model in ``model_folder`` (the process
+        group must be initialized: learner.distributed.init)."""
+        LearnerConfig.expect(config, "Learner")
+        arch = modeling.ModelArch.from_hf_folder(model_folder)
+        return cls(config, arch, bridge.hf_to_megatron(load_hf_state_dict(model_folder), arch))
 
     # ---- forward ----------------------------------------------------------------------------------
 
@@ -197,9 +200,10 @@ class Learner:
 
     # ---- step -------------------------------------------------------------------------------------
 
-    def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
-        """One rollout batch: an optimizer update per mini-batch, then the version advances once
-        (the policy version counts rollout batches, what the staleness bound is stated in).
+    def train(self, mini_batches: list[TrainBatch] | TrainBatch) -> StepMetrics:
+        """One rollout batch: an optimizer update per mini-batch (one TrainBatch: one update), then
+        the version advances once (the policy version counts rollout batches, what the staleness
+        bound is stated in).
 
         The log-probs at consumption (``proximal_logp``, the weights before any of this batch's
         updates) come first for every mini-batch when the decoupled anchor needs them (AReaL, arXiv
@@ -207,6 +211,8 @@ class Learner:
         against mu, not include the drift of this batch's own earlier updates (which is reported
         apart, as gap/proximal/*). One mini-batch needs no extra pass: its update's pi is it."""
         started = time.perf_counter()
+        if isinstance(mini_batches, TrainBatch):
+            mini_batches = [mini_batches]
         for mb in mini_batches:
             if mb.version is not None and mb.version != self.version:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
@@ -230,10 +236,6 @@ class Learner:
             updates=self.step_count, version=self.version, loss=float(loss.mean()), grad_norm=sum(norms) / len(norms),
             lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
         )
-
-    def train_step(self, batch: TrainBatch) -> StepMetrics:
-        """``train`` on one mini-batch."""
-        return self.train([batch])
 
     def _with_proximal(self, batch: TrainBatch) -> TrainBatch:
         """The batch with the learner's log-probs now (before updating on it) as proximal_logp,

@@ -1,4 +1,5 @@
-"""Waiting for a placement group, with an error that names what could not be placed."""
+"""Placing a role on the cluster: its bundles' share of a node resource, and waiting for a placement
+group with an error that names what could not be placed."""
 
 from __future__ import annotations
 
@@ -7,10 +8,18 @@ from ray.util.placement_group import remove_placement_group
 
 PLACEMENT_SECONDS = 300.0
 """How long a placement group may wait for the cluster's resources before the run stops naming them."""
+ROLE_RESOURCE_SHARE = 0.001
+"""How much of a role's node resource (``*.node_resource``) each bundle requests: a node declaring 1
+hosts up to 1,000 ranks or workers of that role, and none of the other."""
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot host a role: a resource no node declares, or bundles that never fit."""
+
+
+def role_resources(resource: str | None) -> dict[str, float]:
+    """What one bundle of a role requests of the role's node resource (none when it has none)."""
+    return {resource: ROLE_RESOURCE_SHARE} if resource else {}
 
 
 def wait_placed(pg, what: str, bundles: list[dict], timeout: float = PLACEMENT_SECONDS) -> None:

@@ -23,8 +23,8 @@ from objectives.logprobs import TokenLogProbs
 class LearnerWorker:
     """One learner rank in its own process. Create with ``ray.remote(LearnerWorker)``."""
 
-    def __init__(self, cfg: dict, rank: int, world_size: int, num_threads: int = 1):
-        self.cfg = LearnerConfig.model_validate(cfg)
+    def __init__(self, cfg: LearnerConfig, rank: int, world_size: int, num_threads: int = 1):
+        self.cfg = LearnerConfig.expect(cfg, "LearnerWorker")
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
         self.learner: Learner | None = None
@@ -55,7 +55,7 @@ class LearnerWorker:
     def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
         """Join the process group and load the model; every rank must call this concurrently."""
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port, self._take_listener())
-        self.learner = Learner.from_hf_folder(self.cfg, model_folder)
+        self.learner = Learner.build(self.cfg, model_folder=model_folder)
 
     def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
         """One rollout batch (this rank's slice of each mini-batch): Learner.train."""

@@ -13,11 +13,22 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class _Config(BaseModel):
+class Section(BaseModel):
+    """The base of every config section of drpo (objectives, rollout, learner, controller): frozen,
+    unknown keys refused. ``expect`` is how a component's ``build`` refuses a section of another
+    component's type before it places or loads anything."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @classmethod
+    def expect(cls, config: object, component: str):
+        """``config`` if it is a ``cls``; else a TypeError naming what ``component`` takes and what it got."""
+        if not isinstance(config, cls):
+            raise TypeError(f"{component}.build takes a {cls.__name__}, not a {type(config).__name__}")
+        return config
 
-class PPOClipConfig(_Config):
+
+class PPOClipConfig(Section):
     """PPO / GRPO ratio clipping (arXiv 1707.06347, 2402.03300), clip-higher (DAPO, 2503.14476), dual-clip."""
 
     type: Literal["ppo_clip"] = "ppo_clip"
@@ -28,7 +39,7 @@ class PPOClipConfig(_Config):
     )
 
 
-class CISPOConfig(_Config):
+class CISPOConfig(Section):
     """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stop-gradient ratio."""
 
     type: Literal["cispo"] = "cispo"
@@ -36,7 +47,7 @@ class CISPOConfig(_Config):
     eps_high: float = Field(0.28, gt=0.0, description="Ratio ceiling is 1 + eps_high.")
 
 
-class GSPOConfig(_Config):
+class GSPOConfig(Section):
     """GSPO (arXiv 2507.18071): PPO clipping of the length-normalized sequence ratio."""
 
     type: Literal["gspo"] = "gspo"
@@ -44,14 +55,14 @@ class GSPOConfig(_Config):
     eps_high: float = Field(4e-4, gt=0.0, description="Upper clip of the sequence ratio (paper: 4e-4).")
 
 
-class SPOConfig(_Config):
+class SPOConfig(Section):
     """SPO (arXiv 2401.16025): ratio objective minus |A|(r-1)^2/(2 eps)."""
 
     type: Literal["spo"] = "spo"
     eps: float = Field(0.2, gt=0.0, description="Penalty scale; the penalty is |A|(r-1)^2/(2 eps).")
 
 
-class _DPPOConfig(_Config):
+class _DPPOConfig(Section):
     is_cap: float = Field(
         10.0, gt=0.0, description="C: the stop-gradient importance weight is min(r, C); 10000 effectively disables truncation."
     )
@@ -92,7 +103,7 @@ class DPPOTopKKLConfig(_DPPOTopKConfig):
     delta: float = Field(0.05, gt=0.0, description="Trust region on the top-K KL divergence.")
 
 
-class DRPOConfig(_Config):
+class DRPOConfig(Section):
     """DRPO (arXiv 2606.09821): -(r A - |A|/(2 delta) * mu * (r-1)^2)."""
 
     type: Literal["drpo"] = "drpo"
@@ -103,7 +114,7 @@ class DRPOConfig(_Config):
     )
 
 
-class MaskDRPOConfig(_Config):
+class MaskDRPOConfig(Section):
     """Mask-DRPO ablation: the quadratic term applies only to tokens with |pi - mu| > delta."""
 
     type: Literal["mask_drpo"] = "mask_drpo"
@@ -115,21 +126,21 @@ class MaskDRPOConfig(_Config):
     )
 
 
-class DRPONoAbsAdvConfig(_Config):
+class DRPONoAbsAdvConfig(Section):
     """Ablation: DRPO with |A| removed from the regularizer (weight 1 on every token, A = 0 included)."""
 
     type: Literal["drpo_no_abs_adv"] = "drpo_no_abs_adv"
     delta: float = Field(12.5, gt=0.0, description="Divergence scale, as in drpo.")
 
 
-class TVPenaltyConfig(_Config):
+class TVPenaltyConfig(Section):
     """Ablation: |A|/delta * |pi - mu| (Bernoulli TV of the sampled token) in place of the quadratic."""
 
     type: Literal["tv_penalty"] = "tv_penalty"
     delta: float = Field(12.5, gt=0.0, description="Penalty scale: the penalty is |A| |pi - mu| / delta.")
 
 
-class KLPenaltyConfig(_Config):
+class KLPenaltyConfig(Section):
     """Ablation: |A|/delta * KL(Bern(mu) || Bern(pi)) in place of the quadratic."""
 
     type: Literal["kl_penalty"] = "kl_penalty"
@@ -160,7 +171,7 @@ AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 AggregationMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-class AdvantageConfig(_Config):
+class AdvantageConfig(Section):
     """How sequence rewards become per-token advantages."""
 
     estimator: AdvantageEstimatorName = Field(
@@ -172,7 +183,7 @@ class AdvantageConfig(_Config):
     filter_zero_variance: bool = Field(True, description="DAPO dynamic sampling: drop groups whose rewards are all equal.")
 
 
-class AggregationConfig(_Config):
+class AggregationConfig(Section):
     """How per-token losses become one scalar."""
 
     mode: AggregationMode = Field("token-mean", description="Loss aggregation mode.")

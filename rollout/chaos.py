@@ -1,6 +1,6 @@
 """Fault injection for tests (``rollout.chaos``, rollout.config.ChaosConfig): the one seam through
 which a rollout worker misbehaves on purpose. A worker always calls these hooks; with no chaos
-configured (``Chaos({})``) every hook does nothing, so production code never branches on chaos.
+configured (``Chaos.build(None, ...)``) every hook does nothing, so production code never branches on chaos.
 
 Faults that model a broken worker (hangs, deaths, lost groups, failed loads) fire on worker 0 only,
 and most only in its first life, so the restarted worker recovers; corrupted engine output and
@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from rollout.config import ChaosConfig
 from rollout.engine import Completion, Engine, EngineDied
 from rollout.records import Group, TrainTicket
 
@@ -28,15 +29,24 @@ def _restarted() -> bool:
 
 
 class Chaos:
-    def __init__(self, options: dict | None, worker_id: int):
-        self.options = dict(options or {})
-        self.rng = random.Random(self.options.pop("seed", 0))
+    def __init__(self, config: ChaosConfig | None, worker_id: int):
+        """Use ``build``."""
+        self.active = config is not None
+        self.config = config or ChaosConfig()
+        self.rng = random.Random(self.config.seed)
         self.worker_id = worker_id
         self._train_groups = 0
 
+    @classmethod
+    def build(cls, config: ChaosConfig | None, *, worker_id: int) -> "Chaos":
+        """Worker ``worker_id``'s faults as ``config`` (rollout.chaos) sets them; None: none."""
+        if config is not None:
+            ChaosConfig.expect(config, "Chaos")
+        return cls(config, worker_id)
+
     def _first_life(self, option: str, count: int) -> bool:
         """Whether ``option`` fires now: worker 0, in its first life, at its N-th call."""
-        return self.options.get(option) == count and self.worker_id == 0 and not _restarted()
+        return getattr(self.config, option) == count and self.worker_id == 0 and not _restarted()
 
     def hang(self, option: str, count: int) -> None:
         """hang_generate / hang_weight_load: worker 0, in its first life, blocks forever at the N-th call."""
@@ -64,7 +74,7 @@ class Chaos:
 
     def lose(self, groups: list[Group]) -> list[Group]:
         """lose_group: worker 0 never returns its N-th training group (a request that hangs)."""
-        n = self.options.get("lose_group")
+        n = self.config.lose_group
         if n is None or self.worker_id != 0:
             return groups
         kept = []
@@ -78,17 +88,17 @@ class Chaos:
 
     def corrupt(self, completions: list[Completion]) -> list[Completion]:
         """nan_logp_rate (a whole group's mu NaN) and empty_response_rate (a response cut to nothing)."""
-        if not self.options:
+        if not self.active:
             return completions
-        if self.rng.random() < self.options.get("nan_logp_rate", 0.0):
+        if self.rng.random() < self.config.nan_logp_rate:
             completions = [dataclasses.replace(c, rollout_logp=torch.full_like(c.rollout_logp, float("nan"))) for c in completions]
         return [
             dataclasses.replace(c, response_ids=c.response_ids[:0], rollout_logp=c.rollout_logp[:0], versions=c.versions[:0],
                                 topk_ids=None if c.topk_ids is None else c.topk_ids[:0], topk_logp=None if c.topk_logp is None else c.topk_logp[:0])
-            if self.rng.random() < self.options.get("empty_response_rate", 0.0) else c
+            if self.rng.random() < self.config.empty_response_rate else c
             for c in completions
         ]
 
     def reward_fails(self) -> bool:
         """reward_error_rate: whether this sample's reward raises."""
-        return bool(self.options) and self.rng.random() < self.options.get("reward_error_rate", 0.0)
+        return self.active and self.rng.random() < self.config.reward_error_rate

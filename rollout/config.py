@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from objectives.config import Section
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ArithmeticTask(_Config):
+class ArithmeticTask(Section):
     """The synthetic single-step word-problem task (rollout/tasks.py). A seeded quarter of the
     (a, op, b) facts never occurs in training; its eval sets: ``heldout`` (those facts, training
     wordings), ``wording`` (those facts, wordings never trained on), ``range`` (larger operands)."""
@@ -28,7 +26,7 @@ class ArithmeticTask(_Config):
         return ["heldout", "wording", "range"] if self.extra_eval_size else ["heldout"]
 
 
-class WordProblemTask(_Config):
+class WordProblemTask(Section):
     """Generated multi-step word problems (rollout/word_problems.py): reason, then answer after
     "The answer is". Training skips every problem whose text or chain is in the heldout set."""
 
@@ -54,7 +52,7 @@ class WordProblemTask(_Config):
 DatasetFormat = Literal["auto", "dapo", "gsm8k", "math", "aime"]
 
 
-class DatasetTask(_Config):
+class DatasetTask(Section):
     """A math dataset (jsonl or parquet) in DAPO-Math, GSM8K, MATH or AIME rows (rollout/tasks.py);
     bad rows skipped and reported."""
 
@@ -78,7 +76,7 @@ class DatasetTask(_Config):
 TaskConfig = Annotated[Union[ArithmeticTask, WordProblemTask, DatasetTask], Field(discriminator="type")]
 
 
-class EvalSetFile(_Config):
+class EvalSetFile(Section):
     """One more eval set from a dataset file (the same row formats as task.type=dataset)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Its name in metrics (eval/<name>/...).")
@@ -95,7 +93,7 @@ class EvalSetFile(_Config):
         return value
 
 
-class ChaosConfig(_Config):
+class ChaosConfig(Section):
     """Fault injection in rollout workers, for testing what the controller survives. Off by default."""
 
     nan_logp_rate: float = Field(0.0, ge=0.0, le=1.0, description="Probability a group's mu comes back NaN (bad engine output).")
@@ -127,7 +125,7 @@ class ChaosConfig(_Config):
     seed: int = Field(0, description="Seed of the injected faults.")
 
 
-class ScoringConfig(_Config):
+class ScoringConfig(Section):
     """How a response is scored beyond the reward function (rollout/answers.py, rollout/rewards.py)."""
 
     require_marker: bool = Field(
@@ -144,7 +142,7 @@ class ScoringConfig(_Config):
     )
 
 
-class RolloutConfig(_Config):
+class RolloutConfig(Section):
     """Rollout workers: one engine each."""
 
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="Inference backend.")

@@ -1,4 +1,4 @@
-"""The inference-engine interface every rollout backend implements (hf, vllm, sglang), and ``make_engine``.
+"""The inference-engine interface every rollout backend implements (hf, vllm, sglang), built by ``Engine.build``.
 
 An engine samples n completions per prompt and reports, for every sampled token, the behaviour
 log-prob mu of that token under the distribution it was *actually sampled from* (temperature
@@ -21,6 +21,7 @@ from typing import Iterable, Literal, NamedTuple
 import torch
 
 from learner.weights.wire import WeightBucket
+from rollout.config import RolloutConfig
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -144,6 +145,24 @@ class Engine(ABC):
     version: int
     tokenizer: object
     """A Hugging Face tokenizer of the served model."""
+
+    @classmethod
+    def build(cls, config: RolloutConfig, *, model_folder: str, topk_logprobs: int = 0, record_routing: bool = False) -> "Engine":
+        """The engine ``config.engine`` names, serving the HF model in ``model_folder`` at
+        ``config.precision`` (``topk_logprobs``: the widest top-K a request will ask for;
+        ``record_routing``: MoE routing replay), built with ``engine_options``. Each engine module
+        (which imports this one) is imported only when chosen."""
+        RolloutConfig.expect(config, "Engine")
+        if config.precision == "auto":  # resolved where the run config is loaded (controller/hardware.py), never here
+            raise ValueError("rollout.precision 'auto' reached the engine unresolved; resolve it with controller.hardware.resolve_precision")
+        options = engine_options(config, topk_logprobs, record_routing)
+        if config.engine == "hf":
+            from rollout.hf_engine import HFEngine as engine
+        elif config.engine == "vllm":
+            from rollout.vllm_engine import VLLMEngine as engine
+        else:
+            from rollout.sglang_engine import SGLangEngine as engine
+        return engine(model_folder, precision=config.precision, **options)
 
     def close(self) -> None:
         """Release what the engine holds outside this process's memory (engine processes, staging
@@ -271,22 +290,23 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
 
 ENGINES = ("hf", "vllm", "sglang")
+VLLM_DEFAULT_MAX_LOGPROBS = 20
+"""vLLM refuses requests for more log-probs than its engine's max_logprobs (20 unless raised)."""
 
 
-def make_engine(kind: str, model_folder: str, precision: Precision = "fp32", **kwargs) -> Engine:
-    """Build the named engine; each engine module (which imports this one) is imported only when chosen."""
-    if precision == "auto":  # resolved where the run config is loaded (controller/hardware.py), never here
-        raise ValueError("engine precision 'auto' reached the engine unresolved; resolve it with controller.hardware.resolve_precision")
-    if kind == "hf":
-        from rollout.hf_engine import HFEngine
-
-        return HFEngine(model_folder, precision=precision, **kwargs)
-    if kind == "vllm":
-        from rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_folder, precision=precision, **kwargs)
-    if kind == "sglang":
-        from rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(model_folder, precision=precision, **kwargs)
-    raise ValueError(f"unknown engine {kind!r}; expected one of {', '.join(ENGINES)}")
+def engine_options(config: RolloutConfig, topk_logprobs: int = 0, record_routing: bool = False) -> dict:
+    """The keyword arguments ``config.engine``'s class is built with: ``config.engine_kwargs``, then
+    what the rollout config and the run imply for that engine unless engine_kwargs set it
+    (threads for hf; fp8 block size for sglang; routing recording, KV cache size and log-prob
+    width for vllm)."""
+    options = dict(config.engine_kwargs)
+    implied = {
+        "hf": {"num_threads": config.threads},
+        "sglang": {"fp8_block": config.fp8_block} if config.precision == "fp8" else {},
+        "vllm": {
+            **({"record_routing": True} if record_routing else {}),
+            **({"kv_cache_gib": config.kv_cache_gib} if config.kv_cache_gib is not None else {}),
+            **({"max_logprobs": topk_logprobs} if topk_logprobs > VLLM_DEFAULT_MAX_LOGPROBS else {}),
+        },
+    }[config.engine]
+    return {**implied, **options}

@@ -14,17 +14,19 @@ from typing import Callable
 import torch
 
 from rollout.chaos import Chaos
+from rollout.config import RolloutConfig, ScoringConfig
 from rollout.engine import Completion
 from rollout.records import Group, Sample, Ticket
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
 from rollout.tasks import Problem
 
 
-def make_reward(name: str, require_marker: bool = False, verify_timeout_s: float = 5.0):
+def make_reward(name: str, scoring: ScoringConfig):
+    """The reward function ``rollout.reward`` names, as ``rollout.scoring`` configures it."""
     if name == "literal":
-        return LiteralNumberReward(require_marker)
+        return LiteralNumberReward(scoring.require_marker)
     if name == "math_verify":
-        return MathVerifyReward(verify_timeout_s, require_marker)
+        return MathVerifyReward(scoring.verify_timeout_s, scoring.require_marker)
     raise ValueError(f"unknown reward {name!r}; expected 'literal' or 'math_verify'")
 
 
@@ -49,11 +51,19 @@ def completion_problem(c: Completion, topk: int) -> str | None:
 class Grader:
     """Scores completions into groups with one reward and one ``rollout.scoring``."""
 
-    def __init__(self, reward: str, scoring: dict, max_new_tokens: int, worker_id: int, chaos: Chaos | None = None):
-        self.scoring = dict(scoring)
-        self.reward = make_reward(reward, self.scoring.get("require_marker", False), self.scoring.get("verify_timeout_s", 5.0))
+    def __init__(self, reward: Callable[[str, str], RewardResult], scoring: ScoringConfig, max_new_tokens: int, worker_id: int, chaos: Chaos):
+        """Use ``build``; ``reward(text, ground_truth)`` is the reward function."""
+        self.reward, self.scoring = reward, scoring
         self.max_new_tokens, self.worker_id = max_new_tokens, worker_id
-        self.chaos = chaos or Chaos({}, worker_id)
+        self.chaos = chaos
+
+    @classmethod
+    def build(cls, config: RolloutConfig, *, worker_id: int = 0, chaos: Chaos | None = None) -> "Grader":
+        """Worker ``worker_id``'s grader: ``config.reward`` scored as ``config.scoring`` says, over-long
+        shaping against ``config.max_new_tokens``; ``chaos``: the worker's fault injection (none by default)."""
+        RolloutConfig.expect(config, "Grader")
+        return cls(make_reward(config.reward, config.scoring), config.scoring, config.max_new_tokens, worker_id,
+                   chaos or Chaos.build(None, worker_id=worker_id))
 
     def grade(
         self, ticket: Ticket, problem: Problem, completions: list[Completion], version: int, seconds: float, topk: int,
@@ -74,7 +84,7 @@ class Grader:
         """The over-long shaping added to a verdict (training groups and evaluation alike; evaluation reads correctness only)."""
         shaping = overlong_shaping(
             len(c.response_ids), self.max_new_tokens, c.finish_reason == "length",
-            self.scoring.get("overlong_penalty", 0.0), self.scoring.get("overlong_buffer", 0),
+            self.scoring.overlong_penalty, self.scoring.overlong_buffer,
         )
         return dataclasses.replace(result, shaping=shaping) if shaping else result
 

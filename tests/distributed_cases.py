@@ -31,7 +31,7 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
         stats = learner.compute_logprobs(data["input_ids"])
         out["logp"], out["entropy"] = stats.logp, stats.entropy
         batch = TrainBatch(data["input_ids"], data["mask"], stats.logp.detach(), data["advantages"])
-        metrics = learner.train_step(batch)
+        metrics = learner.train(batch)
         out["loss"], out["grad_norm"] = metrics.loss, metrics.grad_norm
         out["logp_after"] = learner.compute_logprobs(data["input_ids"]).logp
         out["weights"] = learner.full_megatron_state()  # every rank gathers; rank 0 writes
@@ -39,7 +39,7 @@ def run(rank: int, world: int, port: int, case: str, data_path: str, out_path: s
         n = data["input_ids"].shape[0] // world
         part = slice(rank * n, (rank + 1) * n)
         batch = TrainBatch(data["input_ids"][part], data["mask"][part], data["rollout_logp"][part], data["advantages"][part])
-        metrics = learner.train_step(batch)
+        metrics = learner.train(batch)
         out["loss"], out["grad_norm"], out["tokens"] = metrics.loss, metrics.grad_norm, metrics.tokens
         out["weights"] = learner.full_megatron_state()  # every rank gathers; rank 0 writes
     # every rank's checkpoint part, for the offline merge (learner/export.py)

@@ -143,10 +143,11 @@ def test_a_run_records_the_precision_it_resolved_never_auto(tmp_path):
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     expected = "bf16" if cpu_has_bf16() else "fp32"
     assert saved["rollout"]["precision"] == saved["learner"]["precision"] == expected
-    from rollout.engine import make_engine
+    from rollout.config import RolloutConfig
+    from rollout.engine import Engine
 
     with pytest.raises(ValueError, match="precision 'auto' reached the engine unresolved"):
-        make_engine("hf", "unused", "auto")
+        Engine.build(RolloutConfig(precision="auto"), model_folder="unused")
 
 
 def test_a_deadline_at_or_past_the_stall_limit_is_refused_by_name():

@@ -77,7 +77,8 @@ def test_wait_policy_never_drops_and_drop_policy_drops_only_over_bound_samples(t
 
 def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
     cfg = sim_config(tmp_path, max_staleness=1)
-    ctl = Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 50), {}, Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
+    ctl = Controller.build(cfg, backend=SimulatedBackend.build(cfg.simulation, workers=1), train=arithmetic_split("train", 50), evals={},
+                           telemetry=Telemetry(tmp_path, cfg.metrics, 1, lambda: 0.0))
     ctl.version = 5
     backend = ctl.backend
     backend._serving[0] = 2  # the worker still serves version 2
@@ -87,16 +88,16 @@ def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
     while not groups:
         groups = backend.wait().groups
     (group,) = groups
-    batch = ctl.builder.build([group], ctl.version)
+    batch = ctl.builder.batch([group], ctl.version)
     assert batch.lags == (3,) and int(batch.train.version_lag[batch.train.response_mask].max()) == 3
     with pytest.raises(StalenessViolation, match="3 versions old"):
         ctl.staleness.check(batch.lags[0])
 
 
 def _controller(cfg, tmp_path):
-    backend = SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+    backend = SimulatedBackend.build(cfg.simulation, workers=cfg.rollout.workers)
     train_set = arithmetic_split("train", cfg.task.train_size)
-    return Controller(cfg, backend, train_set, {}, Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now))
+    return Controller.build(cfg, backend=backend, train=train_set, evals={}, telemetry=Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now))
 
 
 def test_resume_admits_no_burst(tmp_path):
@@ -159,7 +160,7 @@ def test_worker_crashes_lose_no_prompt_and_count_none_twice(tmp_path, seed):
         tmp_path, seed=seed, workers=8, steps=25, max_staleness=2, checkpoint_every=5, train_size=120,
         sim={"crash_rate": 0.05, "restart_seconds": 3.0, "publish_seconds": 0.5, "seed": seed},
     )
-    backend = SimulatedBackend(cfg.simulation, cfg.rollout.workers)
+    backend = SimulatedBackend.build(cfg.simulation, workers=cfg.rollout.workers)
     result = train(cfg, backend=backend)
     assert backend.crashes > 0
     state = json.loads((latest_checkpoint(cfg.run_dir) / "controller.json").read_text())
@@ -200,4 +201,4 @@ def test_held_out_problems_with_the_same_id_are_refused_before_anything_runs(tmp
     test = arithmetic_split("test", 3)
     test[2] = dataclasses.replace(test[2], id=test[0].id)
     with pytest.raises(ValueError, match=f"eval set 'heldout' has repeated problem ids \\({test[0].id}\\)"):
-        Controller(cfg, SimulatedBackend(cfg.simulation, 1), arithmetic_split("train", 20), {"heldout": test}, None)
+        Controller.build(cfg, backend=SimulatedBackend.build(cfg.simulation, workers=1), train=arithmetic_split("train", 20), evals={"heldout": test}, telemetry=None)

@@ -33,7 +33,7 @@ def trained(ray_local, tiny_chat_model, tmp_path_factory):
 
 
 def _learner(model_folder, step_folder) -> Learner:
-    learner = Learner.from_hf_folder(LearnerConfig(), model_folder)
+    learner = Learner.build(LearnerConfig(), model_folder=model_folder)
     learner.load_checkpoint(step_folder / "learner-rank00000.pt")
     return learner
 

@@ -66,7 +66,7 @@ def test_killed_rollout_workers_restart_with_current_weights_and_lose_nothing(ra
 
     cfg = run_config(tmp_path, tiny_chat_model, steps=8)
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"workers": 1}), "eval": cfg.eval.model_copy(update={"every": 0})})
-    backend = RayBackend(cfg)
+    backend = RayBackend.build(cfg)
     run_dir = Path(cfg.run_dir)
 
     def kill_twice():
@@ -177,7 +177,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkey
         "train": {"steps": 6, "prompts_per_step": 4, "max_staleness": 1}, "checkpoint": {"every": 2, "keep": 5},
         "eval": {"every": 0, "at_start": False}, "metrics": {"port": None, "progress": False}, "simulation": {},
     })
-    backend = SimulatedBackend(cfg.simulation, 2)
+    backend = SimulatedBackend.build(cfg.simulation, workers=2)
     saves = []
 
     def save(folder):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rollout.chaos import Chaos
+from rollout.config import ChaosConfig, RolloutConfig, ScoringConfig
 from rollout.engine import Completion
 from rollout.grader import Grader
 from rollout.records import TrainTicket
@@ -23,7 +24,7 @@ def decode(ids: torch.Tensor) -> str:
 
 
 def test_a_group_is_scored_shaped_and_failed_only_for_bad_engine_output():
-    grader = Grader("literal", {"overlong_penalty": 0.5}, max_new_tokens=3, worker_id=2)
+    grader = Grader.build(RolloutConfig(max_new_tokens=3, scoring=ScoringConfig(overlong_penalty=0.5)), worker_id=2)
     ticket, problem = TrainTicket(0, "p"), Problem("p", "What is 6*7?", "42")
     group = grader.grade(ticket, problem, [completion(1), completion(2), completion(3, finish="length")], 0, 0.1, 0, decode)
     assert group.error is None and group.worker == 2
@@ -37,10 +38,10 @@ def test_a_group_is_scored_shaped_and_failed_only_for_bad_engine_output():
 
 def test_chaos_is_one_seam_that_does_nothing_unless_configured():
     ticket, problem = TrainTicket(0, "p"), Problem("p", "q", "42")
-    quiet = Chaos({}, worker_id=0)
+    quiet = Chaos.build(None, worker_id=0)
     assert quiet.corrupt([completion(1)])[0].response_ids.tolist() == [1, 1, 1] and not quiet.reward_fails()
-    failing = Grader("literal", {}, 3, 0, Chaos({"reward_error_rate": 1.0}, worker_id=0))
+    failing = Grader.build(RolloutConfig(max_new_tokens=3), chaos=Chaos.build(ChaosConfig(reward_error_rate=1.0), worker_id=0))
     group = failing.grade(ticket, problem, [completion(1), completion(2)], 0, 0.1, 0, decode)
     assert [(s.reward.reason, s.reward.detail, s.reward.score) for s in group.samples] == [("error", "RuntimeError", 0.0)] * 2
-    emptied = Grader("literal", {}, 3, 0, Chaos({"empty_response_rate": 1.0}, worker_id=0))
+    emptied = Grader.build(RolloutConfig(max_new_tokens=3), chaos=Chaos.build(ChaosConfig(empty_response_rate=1.0), worker_id=0))
     assert emptied.grade(ticket, problem, [completion(1)], 0, 0.1, 0, decode).error == "every response is empty"

@@ -27,7 +27,7 @@ def test_two_worker_group_steps_and_publishes_weights_a_consumer_can_load(ray_lo
     from learner.group import LearnerGroup
 
     cfg = LearnerConfig(parallel=ParallelConfig(data=2), optimizer=OptimizerConfig(lr=1e-3), micro_batch_size=2)
-    group = LearnerGroup(cfg, str(tiny_folder))
+    group = LearnerGroup.build(cfg, model_folder=str(tiny_folder))
     try:
         g = torch.Generator().manual_seed(3)
         ids = torch.randint(0, TINY["vocab_size"], (4, 12), generator=g)
@@ -35,7 +35,7 @@ def test_two_worker_group_steps_and_publishes_weights_a_consumer_can_load(ray_lo
         mask[:, 5:] = True
         rollout = group.compute_logprobs(ids)
         adv = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 12).contiguous()
-        metrics = group.train_step(TrainBatch(ids, mask, rollout, adv))
+        metrics = group.train(TrainBatch(ids, mask, rollout, adv))
         assert metrics.version == 1 and metrics.tokens == int(mask.sum())  # both ranks' tokens counted
         pub = group.publish(max_bytes=64_000)
         assert pub.version == 1 and pub.nbytes > 0 and pub.seconds > 0
@@ -60,7 +60,7 @@ def test_the_storage_check_fails_at_start_naming_the_rank_that_sees_another_fold
 
     run_dir, node_local = tmp_path / "run", tmp_path / "not-shared"
     run_dir.mkdir(), node_local.mkdir()
-    group = LearnerGroup(LearnerConfig(parallel=ParallelConfig(data=2)), str(tiny_folder))
+    group = LearnerGroup.build(LearnerConfig(parallel=ParallelConfig(data=2)), model_folder=str(tiny_folder))
     try:
         check_shared(run_dir, lambda nonce: group.check_storage(str(run_dir), nonce))  # one folder: passes
         node = ray_local.get(group.workers[1].node_id.remote())

@@ -49,7 +49,7 @@ def _grouped_batch(seed: int = 0) -> TrainBatch:
 def _grad_norm_and_logp(learner: Learner, batch: TrainBatch):
     """One update's loss and grad norm, and pi before it at the response tokens."""
     logp = learner.batch_logprobs(batch).logp
-    metrics = learner.train_step(batch)
+    metrics = learner.train(batch)
     return logp, metrics
 
 

@@ -69,7 +69,7 @@ def _three_steps_move_logprobs_with_the_advantage(learner, ids, mask, rollout, b
     sign = torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)[:, None]
     batch = TrainBatch(ids, mask, rollout, sign.expand_as(rollout).contiguous())
     for _ in range(3):
-        metrics = learner.train_step(batch)
+        metrics = learner.train(batch)
     after = learner.compute_logprobs(ids).logp
     change = ((after - before) * mask).sum(1) / mask.sum(1)
     assert (change[sign[:, 0] > 0] > 0).all() and (change[sign[:, 0] < 0] < 0).all(), change
@@ -79,7 +79,7 @@ def _three_steps_move_logprobs_with_the_advantage(learner, ids, mask, rollout, b
 def test_drpo_steps_on_smollm2_completions_move_logprobs_with_the_advantage(megatron_single_rank, smollm2_folder, smollm2_completions):
     ids, mask, rollout = smollm2_completions
     cfg = LearnerConfig(objective=DRPOConfig(delta=12.5), optimizer=OptimizerConfig(lr=2e-5, grad_clip=1.0), micro_batch_size=4)
-    learner = Learner.from_hf_folder(cfg, smollm2_folder)
+    learner = Learner.build(cfg, model_folder=smollm2_folder)
     before = learner.compute_logprobs(ids).logp
     # the learner reproduces the sampler's log-probs: the off-policy gap at version 0 is numerics only
     assert (before - rollout)[mask].abs().max().item() < 1e-3
@@ -99,7 +99,7 @@ def test_bf16_learner_agrees_with_fp32_and_drpo_moves_logprobs_with_the_advantag
     cfg = LearnerConfig(
         objective=DRPOConfig(delta=12.5), optimizer=OptimizerConfig(lr=2e-5, grad_clip=1.0), precision="bf16", packing="shared_prompt",
     )
-    learner = Learner.from_hf_folder(cfg, smollm2_folder)
+    learner = Learner.build(cfg, model_folder=smollm2_folder)
     assert next(learner.module.parameters()).dtype == torch.bfloat16
     before = learner.compute_logprobs(ids).logp
     assert before.dtype == torch.float32
@@ -122,12 +122,12 @@ def test_resume_reproduces_the_next_step_exactly(megatron_single_rank, tmp_path,
     first = _tiny_learner(cfg)
     batch = _tiny_batch(first)
     for _ in range(2):
-        first.train_step(batch)
+        first.train(batch)
     first.save_checkpoint(tmp_path / "ckpt.pt")
-    expected = first.train_step(batch)
+    expected = first.train(batch)
     resumed = _tiny_learner(cfg, seed=99)  # different initial weights: everything must come from the checkpoint
     resumed.load_checkpoint(tmp_path / "ckpt.pt")
-    got = resumed.train_step(batch)
+    got = resumed.train(batch)
     assert got.loss == expected.loss and got.grad_norm == expected.grad_norm and got.lr == expected.lr
     assert (got.updates, got.version) == (expected.updates, expected.version) == (3, 3)
     for (name, a), (_, b) in zip(first.full_megatron_state().items(), resumed.full_megatron_state().items()):

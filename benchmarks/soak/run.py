@@ -185,7 +185,7 @@ def run_session(cfg, state: dict, resume: bool, stop) -> object:
     from controller.app import train
     from controller.ray_backend import RayBackend
 
-    state["backend"] = backend = RayBackend(cfg)
+    state["backend"] = backend = RayBackend.build(cfg)
     try:
         return train(cfg, resume=resume, backend=backend, stop=stop)
     finally:

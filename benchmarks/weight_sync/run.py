@@ -27,7 +27,7 @@ def backend_for(transport: str, engine: str, precision: str, run_dir: str):
         "rollout.cpus_per_worker=0.5", "learner_resources.cpus_per_worker=0.5", "learner.precision=fp32",
         f"learner.weight_sync={transport}", *(["rollout.kv_cache_gib=0.5"] if engine == "vllm" else []),
     ])
-    return RayBackend(cfg)
+    return RayBackend.build(cfg)
 
 
 def step(backend, seed: int) -> None:
@@ -39,7 +39,7 @@ def step(backend, seed: int) -> None:
     mask[:, 16:] = True
     rollout = backend.learner.compute_logprobs(ids)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None].expand(4, 32).contiguous()
-    backend.learner.train_step(TrainBatch(ids, mask, rollout, adv))
+    backend.learner.train(TrainBatch(ids, mask, rollout, adv))
 
 
 def main() -> None:
