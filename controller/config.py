@@ -260,6 +260,53 @@ class RunConfig(Section):
         return self.task.eval_set_names() + [s.name for s in self.eval.sets]
 
 
+PRESET_DIFFERENCES = {
+    "train.mode": "async in code: the system's setting, rollout and learner overlapping on their own hardware; the preset "
+    "runs sync because on 2 shared cores the stages alternating, each with both cores, reach 0.80 accuracy sooner",
+    "train.max_staleness": "follows train.mode (sync: 0, async: 1) unless set",
+    "train.steps": "the preset is a demonstration of a few minutes; 30 in code",
+    "eval.every": "the preset evaluates 3 times in its 15 steps",
+    "checkpoint.every": "the preset checkpoints with each evaluation",
+    "checkpoint.hf": "off in code: an HF export writes the whole model at every checkpoint; the preset exports it so its "
+    "result loads in transformers",
+    "eval.concurrent": "on in code: evaluation runs on rollout capacity the next step does not need; the preset waits for "
+    "it, since on shared cores an overlapping evaluation slows the learner more than it saves",
+    "advantages.filter_zero_variance": "on in code (DAPO's dynamic sampling: a group with equal rewards has no gradient); "
+    "off in the preset, where refilling filtered groups in small engine calls cost more wall time than it saved",
+    "learner.optimizer.lr": "1e-6 in code, a usual RL rate for models of billions of parameters; the 135M model of the "
+    "preset learns in 15 steps at 2e-5",
+    "learner.objective.delta": "12.5 in code, the released DRPO recipe; the preset's 0.2 is a "
+    "DPPO-like trust region, so the corrective weight acts visibly in a short run",
+    "learner.packing": "none in code: the layout expert parallelism and routing replay need; the preset's dense model packs "
+    "each group's prompt once (shared_prompt), faster on the CPU",
+    "learner.precision": "fp32 in code, so a config built in code computes the same on every machine; the preset says auto "
+    "(bf16 with GPUs or bf16 arithmetic), resolved when it loads",
+    "rollout.precision": "as learner.precision",
+    "rollout.threads": "1 in code, safe with many workers on a node; the preset's one worker takes both cores (sync mode "
+    "runs one stage at a time)",
+    "learner_resources.threads": "as rollout.threads",
+}
+"""Every field whose code default differs from the embedded preset (presets/default.yaml), and why
+(tests/test_controller_config.py checks this is exactly the set that differs)."""
+
+
+def preset_differences(path: str | Path | None = None) -> dict[str, tuple[object, object]]:
+    """Dotted field -> (the preset's value, the code default), where they differ; precision as the preset writes it."""
+    tree = yaml.safe_load(Path(path or PRESETS / "default.yaml").read_text())
+    preset, code = validate(tree).model_dump(mode="json"), RunConfig().model_dump(mode="json")
+    out: dict[str, tuple[object, object]] = {}
+
+    def walk(a, b, prefix):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                walk(a.get(key), b.get(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+        elif a != b:
+            out[prefix] = (a, b)
+
+    walk(preset, code, "")
+    return out
+
+
 class ConfigError(ValueError):
     """A run config that does not load; the message names the field."""
 
