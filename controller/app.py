@@ -81,22 +81,13 @@ def check_layout(cfg: RunConfig) -> None:
     """The learner's parallel layout must split the model (heads, widths, experts), and sglang's
     block-fp8 rollout must tile it: refused by field."""
     from learner.model import ModelArch, layout_problems
-    from rollout.fp8 import block_mismatches
+    from rollout.engine import engine_problems
     from rollout.offline_model import materialize_smollm2
 
     folder = cfg.model.path or str(materialize_smollm2())
     p = cfg.learner.parallel
     problems = layout_problems(ModelArch.from_hf_folder(folder), p.tensor, p.expert)
-    if cfg.rollout.engine == "sglang" and cfg.rollout.gpus_per_worker == 0:
-        problems.append("rollout.engine=sglang needs GPUs (set rollout.gpus_per_worker > 0): SGLang has no CPU build; use hf or vllm here")
-    if cfg.rollout.engine == "sglang" and cfg.rollout.precision == "fp8":
-        tp = int(cfg.rollout.engine_kwargs.get("tp_size", 1))
-        wrong = block_mismatches(json.loads((Path(folder) / "config.json").read_text()), cfg.rollout.fp8_block, tp)
-        if wrong:
-            problems.append(
-                f"rollout.fp8_block={cfg.rollout.fp8_block}: sglang's block-fp8 rollout needs every projection width to be a "
-                f"multiple of it, and {', '.join(wrong)} are not (a smaller power of two that divides them all tiles the model)"
-            )
+    problems += engine_problems(cfg.rollout, json.loads((Path(folder) / "config.json").read_text()))
     if problems:
         raise ConfigError(f"{'; '.join(problems)} (model {folder})")
 
@@ -117,7 +108,9 @@ def check_machine(cfg: RunConfig, learner: bool = True) -> None:
     if cfg.ray_address or os.environ.get("RAY_ADDRESS") or _ray_joined():
         return
     problems = []
-    package = {"vllm": "vllm", "sglang": "sglang"}.get(cfg.rollout.engine)
+    from rollout.config import ENGINE_PACKAGES
+
+    package = ENGINE_PACKAGES.get(cfg.rollout.engine)
     if package and importlib.util.find_spec(package) is None:
         problems.append(
             f"rollout.engine={cfg.rollout.engine} needs the {package} package, which is not installed here "

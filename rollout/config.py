@@ -142,6 +142,10 @@ class ScoringConfig(Section):
     )
 
 
+ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
+"""The package each engine other than hf needs installed where its workers run."""
+
+
 class RolloutConfig(Section):
     """Rollout workers: one engine each."""
 

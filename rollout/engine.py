@@ -289,9 +289,27 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode() + flat.numpy().tobytes()).hexdigest()
 
 
-ENGINES = ("hf", "vllm", "sglang")
 VLLM_DEFAULT_MAX_LOGPROBS = 20
 """vLLM refuses requests for more log-probs than its engine's max_logprobs (20 unless raised)."""
+
+
+def engine_problems(config: RolloutConfig, model_config: dict) -> list[str]:
+    """What ``config.engine`` cannot serve of this model (``model_config``: its HF config.json) in
+    this rollout config, by field, before anything starts: sglang needs GPUs (it has no CPU build),
+    and its block-fp8 rollout must tile every projection width."""
+    problems = []
+    if config.engine == "sglang" and config.gpus_per_worker == 0:
+        problems.append("rollout.engine=sglang needs GPUs (set rollout.gpus_per_worker > 0): SGLang has no CPU build; use hf or vllm here")
+    if config.engine == "sglang" and config.precision == "fp8":
+        from rollout.fp8 import block_mismatches
+
+        wrong = block_mismatches(model_config, config.fp8_block, int(config.engine_kwargs.get("tp_size", 1)))
+        if wrong:
+            problems.append(
+                f"rollout.fp8_block={config.fp8_block}: sglang's block-fp8 rollout needs every projection width to be a "
+                f"multiple of it, and {', '.join(wrong)} are not (a smaller power of two that divides them all tiles the model)"
+            )
+    return problems
 
 
 def engine_options(config: RolloutConfig, topk_logprobs: int = 0, record_routing: bool = False) -> dict:
