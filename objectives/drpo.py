@@ -118,11 +118,17 @@ def _quadratic(inputs: ObjectiveInputs, coef: torch.Tensor, t: _Terms):
     return value, grad, metrics
 
 
+WEIGHT_TOLERANCE = 1e-3
+"""|w - 1| below this is no shift: the weight fractions count a token above one only past
+1 + WEIGHT_TOLERANCE (on an on-policy step, float noise of |pi - mu| ~ 1e-5 would otherwise count
+half the tokens), and corrective only past -WEIGHT_TOLERANCE."""
+
+
 def _weight_metrics(inputs: ObjectiveInputs, signed_shift: torch.Tensor, delta: float) -> dict[str, Metric]:
     """w = 1 - sign(A)(pi - mu)/delta diagnostics over tokens that carry gradient (valid, A != 0).
 
     Read off ``signed_shift`` = sign(A)(pi - mu): w < 0 (corrective) iff signed_shift > delta,
-    w > 1 iff signed_shift < 0.
+    w > 1 iff signed_shift < 0; the fractions count beyond WEIGHT_TOLERANCE.
     """
     active = inputs.valid & (inputs.advantages != 0)
     weights = active.flatten().to(signed_shift.dtype)
@@ -131,8 +137,8 @@ def _weight_metrics(inputs: ObjectiveInputs, signed_shift: torch.Tensor, delta: 
     return {
         "weight_mean": Metric(torch.where(count > 0, mean_w, 0.0), "mean", count),
         "weight_hist": weight_histogram(signed_shift, active, delta, weights),
-        "corrective_frac": fraction(signed_shift > delta, active),
-        "weight_above_one_frac": fraction(signed_shift < 0, active),
+        "corrective_frac": fraction(signed_shift > delta * (1 + WEIGHT_TOLERANCE), active),
+        "weight_above_one_frac": fraction(signed_shift < -delta * WEIGHT_TOLERANCE, active),
     }
 
 

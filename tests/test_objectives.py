@@ -286,3 +286,14 @@ def test_dppo_truncates_importance_weight_at_cap():
     A = torch.tensor([[-1.0]], dtype=torch.float64)
     (g,) = torch.autograd.grad(objectives.token_loss("dppo_binary_tv", lp, rl, A, delta=0.9, is_cap=10.0).sum(), lp)
     assert g.item() == pytest.approx(10.0)  # -A * min(200, 10)
+
+
+def test_drpo_weight_fractions_ignore_float_noise_of_an_on_policy_step():
+    """On policy, pi and mu differ by float noise only: no token counts as above one or corrective."""
+    mu = torch.full((1, 64), 0.3, dtype=torch.float64)
+    noise = torch.linspace(-2e-5, 2e-5, 64, dtype=torch.float64).unsqueeze(0)
+    A = torch.ones(1, 64, dtype=torch.float64)
+    out = objectives.compute(objectives.make_config("drpo", delta=0.2), objectives.ObjectiveInputs((mu + noise).log().requires_grad_(), mu.log(), A))
+    assert out.metrics["weight_above_one_frac"].value.item() == 0.0 and out.metrics["corrective_frac"].value.item() == 0.0
+    shifted = objectives.compute(objectives.make_config("drpo", delta=0.2), objectives.ObjectiveInputs((mu - 0.01).log().requires_grad_(), mu.log(), A))
+    assert shifted.metrics["weight_above_one_frac"].value.item() == 1.0  # w = 1.05: a real shift counts
