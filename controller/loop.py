@@ -48,6 +48,8 @@ class _Eval:
     version: int
     expected: int
     results: list[Group] = field(default_factory=list)
+    cancelled: int = 0
+    """Prompts taken back unstarted because the run was stopped: the round is then incomplete."""
 
 
 @dataclass
@@ -334,6 +336,10 @@ class Controller:
         if len(ev.results) < ev.expected:
             return
         del self.evals[rnd]
+        if ev.cancelled:  # cut short by a stop: not a result (the summary and the next resume never see it)
+            self.telemetry.evaluation_cancelled({"round": rnd, "step": self.step, "version": ev.version, "answered": len(ev.results),
+                                                 "cancelled": ev.cancelled})
+            return
         versions = [res.oldest_version for res in ev.results if res.oldest_version is not None]
         sets = {name: set_summary([g for g in ev.results if g.ticket.set == name], self.cfg.eval.pass_k) for name in self.eval_sets}
         first = sets[next(iter(sets))]
@@ -358,6 +364,7 @@ class Controller:
                 self.sampler.requeue([ticket])
             elif self.eval_pending.pop(ticket, None) is not None:
                 self.evals[ticket.round].expected -= 1
+                self.evals[ticket.round].cancelled += 1
                 self._eval_result(None, ticket.round)
 
     def wind_down(self) -> None:

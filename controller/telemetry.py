@@ -147,6 +147,11 @@ class Telemetry:
         for logger in self.loggers:
             logger.log(values, record["step"])
 
+    def evaluation_cancelled(self, record: dict) -> None:
+        """An evaluation round a stop cut short: one ``eval_cancelled`` line (how many prompts were
+        answered and how many taken back); no accuracy is reported from it."""
+        self._write({"kind": "eval_cancelled", "time": self.clock(), **record})
+
     def startup_phase(self, **seconds: float) -> None:
         """Seconds spent in start-up phases (Ray, engines and learner, the first evaluation);
         written as one ``startup`` record when ``startup_done`` is called."""

@@ -202,3 +202,19 @@ def test_held_out_problems_with_the_same_id_are_refused_before_anything_runs(tmp
     test[2] = dataclasses.replace(test[2], id=test[0].id)
     with pytest.raises(ValueError, match=f"eval set 'heldout' has repeated problem ids \\({test[0].id}\\)"):
         Controller.build(cfg, backend=SimulatedBackend.build(cfg.simulation, workers=1), train=arithmetic_split("train", 20), evals={"heldout": test}, telemetry=None)
+
+
+def test_an_evaluation_round_cut_short_by_a_stop_is_recorded_as_cancelled_not_as_a_result(tmp_path):
+    cfg = sim_config(tmp_path, workers=1)
+    backend = SimulatedBackend.build(cfg.simulation, workers=1)
+    telemetry = Telemetry(tmp_path / "t", cfg.metrics, cfg.train.steps, backend.now)
+    ctl = Controller.build(cfg, backend=backend, train=arithmetic_split("train", 20), evals={"heldout": arithmetic_split("test", 5)},
+                           telemetry=telemetry)
+    ctl.evaluate(blocking=False)  # one worker: the first prompt starts, four wait in its queue
+    ctl.requeue_unstarted()  # what a stop does before winding down
+    while ctl.eval_pending:
+        ctl.handle(backend.wait())
+    lines = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r["kind"] == "eval"] == [] and ctl.eval_history == []
+    (cut,) = [r for r in lines if r["kind"] == "eval_cancelled"]
+    assert (cut["round"], cut["answered"], cut["cancelled"]) == (0, 1, 4)
