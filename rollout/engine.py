@@ -160,8 +160,10 @@ class Engine(ABC):
             from rollout.hf_engine import HFEngine as engine
         elif config.engine == "vllm":
             from rollout.vllm_engine import VLLMEngine as engine
-        else:
+        elif config.engine == "sglang":
             from rollout.sglang_engine import SGLangEngine as engine
+        else:
+            raise ValueError(f"rollout.engine {config.engine!r}: Engine.build has no engine of that name")
         return engine(model_folder, precision=config.precision, **options)
 
     def close(self) -> None:
@@ -326,5 +328,5 @@ def engine_options(config: RolloutConfig, topk_logprobs: int = 0, record_routing
             **({"kv_cache_gib": config.kv_cache_gib} if config.kv_cache_gib is not None else {}),
             **({"max_logprobs": topk_logprobs} if topk_logprobs > VLLM_DEFAULT_MAX_LOGPROBS else {}),
         },
-    }[config.engine]
+    }.get(config.engine, {})
     return {**implied, **options}
