@@ -24,7 +24,7 @@ from controller.config import RunConfig
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup, LearnerTimeout, late_refs
 from learner.host import check_host
-from learner.placement import PlacementError, role_resources, wait_placed
+from learner.placement import PlacementError, role_bundle, wait_placed
 from rollout.records import Ticket
 from rollout.tasks import Problem
 from rollout.worker import RolloutWorker
@@ -77,7 +77,7 @@ class RayBackend(Backend):
         # engines load while the learner ranks build their model: start-up is their maximum, not their sum
         self.learner = LearnerGroup.build(cfg.learner, model_folder=folder, resources=cfg.learner_resources, wait=False) if learner else None
         self.workers = ro.workers
-        bundle = {"CPU": ro.cpus_per_worker, **({"GPU": ro.gpus_per_worker} if ro.gpus_per_worker else {}), **role_resources(ro.node_resource)}
+        bundle = role_bundle(ro.cpus_per_worker, ro.gpus_per_worker, ro.node_resource)
         self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
         try:
             wait_placed(self.pg, f"the rollout workers (rollout.workers {ro.workers}, each {bundle})", [bundle] * ro.workers)

@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.host import check_host
-from learner.placement import role_resources, wait_placed
+from learner.placement import role_bundle, wait_placed
 from learner.weights.wire import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig, LearnerResources
 from learner.batch import TrainBatch
@@ -51,7 +51,7 @@ class LearnerGroup:
         self.cfg = cfg
         n = cfg.parallel.world_size
         per_rank = resources.cpus_per_worker
-        bundle = {"CPU": per_rank, **({"GPU": resources.gpus_per_worker} if resources.gpus_per_worker else {}), **role_resources(resources.node_resource)}
+        bundle = role_bundle(per_rank, resources.gpus_per_worker, resources.node_resource)
         self.pg = placement_group([bundle] * n, strategy="PACK")
         p = cfg.parallel
         wait_placed(self.pg, f"the learner group ({n} ranks: learner.parallel tensor {p.tensor} x data {p.data}, each "

@@ -17,9 +17,10 @@ class PlacementError(RuntimeError):
     """The cluster cannot host a role: a resource no node declares, or bundles that never fit."""
 
 
-def role_resources(resource: str | None) -> dict[str, float]:
-    """What one bundle of a role requests of the role's node resource (none when it has none)."""
-    return {resource: ROLE_RESOURCE_SHARE} if resource else {}
+def role_bundle(cpus: float, gpus: float, node_resource: str | None) -> dict[str, float]:
+    """One bundle of a role: its CPUs, its GPUs (none asked when 0), and its share of the role's
+    node resource (none when it has none)."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **({node_resource: ROLE_RESOURCE_SHARE} if node_resource else {})}
 
 
 def wait_placed(pg, what: str, bundles: list[dict], timeout: float = PLACEMENT_SECONDS) -> None:
