@@ -218,7 +218,7 @@ class Learner:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
         if self.cfg.anchor == "decoupled" or len(mini_batches) > 1:
             mini_batches = [self._with_proximal(mb) for mb in mini_batches]
-        acc = MetricAccumulator()
+        acc = MetricAccumulator(self.device)
         losses, norms, tokens = [], [], 0
         for mb in mini_batches:
             loss, grad_norm, count = self._update(mb, acc)

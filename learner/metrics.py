@@ -11,9 +11,13 @@ from objectives.base import Metric
 
 
 class MetricAccumulator:
-    """Accumulates Metrics by name; ``reduce`` returns floats (histograms as name/bin_i)."""
+    """Accumulates Metrics by name; ``reduce`` returns floats (histograms as name/bin_i).
 
-    def __init__(self) -> None:
+    Every value is kept on ``device`` (the learner's: a CUDA learner's data-parallel group is NCCL,
+    which reduces CUDA tensors only), whichever device an objective computed a metric on."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._sums: dict[str, list[torch.Tensor]] = {}  # name -> [weighted sum, weight]
         self._max: dict[str, torch.Tensor] = {}
         self._min: dict[str, torch.Tensor] = {}
@@ -22,10 +26,10 @@ class MetricAccumulator:
     def add(self, prefix: str, metrics: dict[str, Metric]) -> None:
         for key, m in metrics.items():
             name = prefix + key
-            value = m.value.detach().double()
-            zero = torch.zeros((), dtype=torch.float64, device=value.device)  # accumulate where the metric lives
+            value = m.value.detach().to(self.device, torch.float64)
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
             if m.reduction in ("mean", "quantile"):
-                count = m.count.double() if m.count is not None else zero + 1
+                count = m.count.detach().to(self.device, torch.float64) if m.count is not None else zero + 1
                 value = torch.nan_to_num(value) * count  # an empty micro-batch contributes nothing
                 acc = self._sums.setdefault(name, [zero.clone(), zero.clone()])
                 acc[0] += value
@@ -44,7 +48,7 @@ class MetricAccumulator:
         """Final values; with a process group, combined across its ranks first."""
         names = sorted(self._sums)
         weights = [self._sums[n][1] if self._sums[n][1] is not None else torch.ones_like(self._sums[n][0]) for n in names]
-        packed = torch.stack([self._sums[n][0] for n in names] + weights) if names else torch.zeros(0, dtype=torch.float64)
+        packed = torch.stack([self._sums[n][0] for n in names] + weights) if names else torch.zeros(0, dtype=torch.float64, device=self.device)
         hist_names = sorted(self._hist)
         hists = [self._hist[n] for n in hist_names]
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -192,8 +192,34 @@ class MegatronDistributedAdam:
             raise ValueError(f"the checkpoint holds {len(state.get('param_state', ()))} optimizer parts, this learner has {len(parts)}")
         self.optimizer.load_state_dict(state["optimizer"])
         for part, param_state in zip(parts, state["param_state"]):
-            part.load_parameter_state_from_dp_zero(param_state if part.data_parallel_group.rank() == 0 else None)
+            # megatron's dp_zero loader copies into every entry of a parameter's optimizer state, and
+            # without Apex or Transformer Engine that state (torch's Adam) holds a "step" the gathered
+            # parameter state does not carry (KeyError on CUDA): set "step" aside while it copies, and
+            # copy without autograd (the main parameters require grad)
+            steps = {p: s.pop("step") for p, s in part.optimizer.state.items() if "step" in s}
+            try:
+                with torch.no_grad():
+                    part.load_parameter_state_from_dp_zero(param_state if part.data_parallel_group.rank() == 0 else None)
+            finally:
+                for p, step in steps.items():
+                    part.optimizer.state[p]["step"] = step
+            unshare_steps(part.optimizer)
         self._step = int(state["step"])
+
+
+def unshare_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter's Adam "step" a tensor of its own. megatron's DistributedOptimizer loads
+    one step tensor into every parameter's state, and torch's Adam adds 1 to each parameter's step
+    in place, so a shared tensor advanced once per parameter on every update after a resume: Adam's
+    bias correction vanished and the first resumed update was several times too large (seen on an
+    H200, where the resumed step differed from the uninterrupted one)."""
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
 
 
 def build(model, cfg: OptimizerConfig, tp_size: int, bf16: bool = False, initial: dict[int, torch.Tensor] | None = None):

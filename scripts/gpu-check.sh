@@ -20,6 +20,7 @@
 #   train-broadcast `drpo train` with learner.weight_sync=broadcast on the shared GPU, 3 steps
 #   train-vllm, train-sglang   as train-resume with that engine (fp8 rollout), where it is installed:
 #                   on a CUDA host set up with the engine's extra; never on the lent machine
+# GPU_CHECKS="NAME ..." runs only those checks (and the payload steps and cuda): a rerun of what failed.
 # Work goes to $GPU_WORK (/tmp/drpo-gpu-work); $OUT gets what the device tool brings back (at most 8 files):
 # summary.txt, logs.txt (every log's tail), throughput.txt and each run's metrics. Exit code: the number of FAILs.
 set -uo pipefail
@@ -40,6 +41,10 @@ exec > >(tee "$OUT/summary.txt") 2>&1
 check() {  # check NAME SECONDS COMMAND...: runs it under a deadline, logs to $WORK/NAME.log, prints one line
   local name=$1 limit=$2 started=$SECONDS
   shift 2
+  if [ -n "${GPU_CHECKS:-}" ] && [[ $name != receive* && " $GPU_CHECKS assemble install cuda " != *" $name "* ]]; then
+    echo "SKIP $name: not in GPU_CHECKS"  # a rerun of the checks that failed: GPU_CHECKS="gpu-tests train-resume"
+    return
+  fi
   if timeout -k 10 "$limit" bash -c '"$@"' check "$@" >"$WORK/$name.log" 2>&1; then  # bash -c: the functions below, exported
     echo "PASS $name ($((SECONDS - started)) s): $(tail -n 1 "$WORK/$name.log" | cut -c1-240)"
   else
@@ -105,7 +110,8 @@ PY
 }
 
 nccl_one_gpu() {  # NCCL on two ranks of one GPU is refused; the broadcast group picks gloo and delivers
-  "$PY" - <<'PY'
+  # from a file, not stdin: torch.multiprocessing's spawned ranks import the main module by its path
+  cat >"$WORK/nccl_one_gpu.py" <<'PY' && "$PY" "$WORK/nccl_one_gpu.py"
 import os, tempfile
 import torch
 import torch.multiprocessing as mp

@@ -57,12 +57,17 @@ class StandInPart:
 
         self.data_parallel_group = types.SimpleNamespace(rank=lambda: dp_rank)
         self.main_params, self.loaded = main_params, "never called"
+        step = torch.tensor(7.0)  # megatron's load_state_dict gives every parameter's Adam state this one tensor
+        self.optimizer = types.SimpleNamespace(state={i: {"step": step, "exp_avg": torch.zeros(2)} for i in range(3)})
 
     def get_parameter_state_dp_zero(self, use_gloo_comm: bool):
         assert use_gloo_comm  # gathered over gloo: no CUDA-side tensors in the file
         return {"param": self.main_params.clone(), "exp_avg": self.main_params * 0.1} if self.data_parallel_group.rank() == 0 else None
 
     def load_parameter_state_from_dp_zero(self, state):
+        # megatron copies the gathered tensors into every entry of each parameter's state, in place
+        # into main parameters that require grad: a "step" entry is a KeyError, autograd an error
+        assert not any("step" in s for s in self.optimizer.state.values()) and not torch.is_grad_enabled()
         self.loaded = state
 
 
@@ -102,9 +107,34 @@ def test_the_distributed_optimizers_checkpoint_gathers_to_dp_rank_0_and_scatters
         fresh.load_state_dict(saved[rank])
         assert fresh._step == 7 and fresh.optimizer.restored == {"param_groups": [{"lr": 1e-3}], "steps": 7}
         for i, part in enumerate(fresh.optimizer.chained_optimizers):
+            steps = [state["step"] for state in part.optimizer.state.values()]
+            assert [s.item() for s in steps] == [7.0] * 3 and len({id(s) for s in steps}) == 3  # kept, one tensor each
             if rank == 0:
                 assert torch.equal(part.loaded["param"], torch.arange(4.0) + i)  # each part gets its own state back
             else:
                 assert part.loaded is None  # the scatter's receivers pass None: rank 0 sends
     with pytest.raises(ValueError, match="the checkpoint holds 2 optimizer parts, this learner has 1"):
         wrapper(0, parts=1).load_state_dict(saved[0])
+
+
+def test_a_step_tensor_shared_by_every_parameter_is_unshared_so_each_advances_once_per_update():
+    """megatron's DistributedOptimizer.load_state_dict puts one "step" tensor into every parameter's
+    Adam state (torch's Adam without Apex/TE); torch adds 1 to each in place, so a shared one jumps by
+    the number of parameters per update. Reproduced with torch's Adam and that same shared load."""
+    from learner.optim import unshare_steps
+
+    def resumed(unshare: bool) -> list[float]:
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+        adam = torch.optim.Adam(params, lr=1e-3)
+        step = torch.tensor(1.0)  # what megatron's loader does: `s["step"] = step` for every state
+        state = {i: {"step": step, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)} for i in range(4)}
+        adam.load_state_dict({"state": state, "param_groups": adam.state_dict()["param_groups"]})
+        if unshare:
+            unshare_steps(adam)
+        for p in params:
+            p.grad = torch.ones(3)
+        adam.step()
+        return [adam.state[p]["step"].item() for p in params]
+
+    assert resumed(unshare=False) == [5.0] * 4  # the bug: 1 + one increment per parameter
+    assert resumed(unshare=True) == [2.0] * 4
