@@ -1,5 +1,5 @@
 # The two quick-start commands (README.md). Each one sets up .venv first (idempotent).
-.PHONY: setup run test
+.PHONY: setup run test test-fast
 
 setup:
 	bash scripts/setup.sh
@@ -11,3 +11,8 @@ run: setup
 # The whole test suite, markers included (CI runs exactly this).
 test: setup
 	bash scripts/test.sh
+
+# The edit-test loop: every test that needs no Ray cluster, no inference engine and no long run
+# (markers ray, engine, slow, gpu deselected). CI runs the whole suite (`make test`).
+test-fast: setup
+	bash scripts/test.sh -m "not ray and not engine and not slow and not gpu"

@@ -31,8 +31,18 @@ class TrainConfig(Section):
 
     steps: int = Field(30, ge=1, description="Rollout batches to train on (one policy version each).")
     prompts_per_step: int = Field(8, ge=1, description="B: groups per rollout batch (after filtering).")
-    mini_batches: int = Field(1, ge=1, description="Optimizer updates per rollout batch (the batch is split in this many).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer updates per pass over a rollout batch (the batch is split in this many).")
+    epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch, each of train.mini_batches updates: every update after the first sees "
+        "pi != mu, where DRPO's trust region acts (updates per batch = epochs x mini_batches).",
+    )
     mode: Literal["sync", "async"] = Field("async", description="sync: generate then train (on-policy); async: rollout runs ahead.")
+    oversample: float = Field(
+        1.0, ge=1.0, le=4.0,
+        description="sync mode: each engine round asks for ceil(oversample x the groups the batch still lacks) prompts and the "
+        "surplus beyond B is dropped (ledger 'surplus'): with the zero-variance filter on, filtered groups are replaced from the "
+        "surplus instead of by a refill round (DAPO's dynamic sampling). 1: one prompt per missing group, refilled as groups are filtered.",
+    )
     max_staleness: int = Field(
         1, ge=0, description="eta: no trained token is more than eta versions older than the learner (sync mode: 0, unless set otherwise)."
     )
@@ -74,6 +84,8 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _sync_is_on_policy(self) -> "TrainConfig":
+        if self.oversample > 1 and self.mode != "sync":
+            raise ValueError(f"train.oversample {self.oversample:g} needs train.mode sync (async rollouts already run ahead of the batch)")
         if self.mode == "sync" and self.max_staleness != 0:
             raise ValueError(f"train.max_staleness must be 0 in sync mode (got {self.max_staleness}); use mode=async for eta >= 1")
         return self

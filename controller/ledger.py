@@ -3,7 +3,8 @@
 ``PromptSampler`` hands out prompt ids in a seeded permutation per epoch; ids given back with
 ``requeue`` (in-flight or buffered work at a checkpoint, a dead worker's queue) come out first.
 ``Ledger`` records one outcome per drawn (epoch, id): trained (with the step and the sample's
-version lag) or dropped with a reason (filtered, stale, failed). Together they make resume exact:
+version lag) or dropped with a reason (filtered, stale, failed, or surplus: over-sampled in sync
+mode beyond the batch). Together they make resume exact:
 a checkpoint holds the sampler's position, the ledger and the re-queued ids, so nothing is
 consumed twice or skipped (tests/test_controller_sim.py checks it).
 """
@@ -16,7 +17,7 @@ from typing import Literal
 
 from rollout.records import TrainTicket as Ticket
 
-Outcome = Literal["trained", "filtered", "stale", "failed"]
+Outcome = Literal["trained", "filtered", "stale", "failed", "surplus"]
 
 
 class PromptSampler:

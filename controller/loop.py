@@ -12,6 +12,7 @@ rollout that would expire after it has finished) or dropped at consumption; eith
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class _Flight:
 class _Eval:
     version: int
     expected: int
+    began: float
+    """When the round was submitted (the backend's clock): its record's ``seconds`` count from here."""
     results: list[Group] = field(default_factory=list)
     cancelled: int = 0
     """Prompts taken back unstarted because the run was stopped: the round is then incomplete."""
@@ -86,6 +89,7 @@ class Controller:
             serving_version=lambda: min(
                 (backend.worker_version(w) for w in range(backend.workers) if backend.available(w)), default=self.version
             ),
+            surplus=math.ceil((cfg.train.oversample - 1) * self.batch_size),
         )
         self.builder = BatchBuilder.build(cfg.advantages, topk=objectives.required_topk(cfg.learner.objective))
         self.sampler = PromptSampler([p.id for p in train], cfg.seed)
@@ -150,12 +154,24 @@ class Controller:
 
     def admit(self) -> None:
         live = [w for w in range(len(self.load)) if self.backend.available(w)]
-        while live and self.staleness.try_admit() is not None:
+        quota = self._round_quota()
+        while live and quota != 0 and self.staleness.try_admit() is not None:
+            quota -= 1
             ticket = self.sampler.next()
             worker = min(live, key=self.load.__getitem__)
             self.load[worker] += 1
             self.in_flight[ticket] = _Flight(worker, admitted=self.backend.now())
             self.backend.submit(worker, ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt)
+
+    def _round_quota(self) -> int:
+        """Prompts this admission may start; -1: as many as the staleness bound allows. Sync
+        over-sampling (train.oversample > 1) runs in rounds: nothing while a round or a step is in
+        flight, then ceil(oversample x the groups the batch lacks) at once."""
+        if self.cfg.train.oversample == 1:
+            return -1
+        if self.in_flight or self.training is not None:
+            return 0
+        return math.ceil(self.cfg.train.oversample * max(0, self.batch_size - len(self.buffer)))
 
     def handle(self, events: Events) -> None:
         for worker in events.lost:
@@ -262,6 +278,11 @@ class Controller:
             return
         self.buffer.sort(key=lambda g: g.oldest_version)
         chosen, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size :]
+        if self.cfg.train.oversample > 1:  # sync over-sampling: what the batch does not take would be stale next version
+            for g in self.buffer:
+                self.staleness.on_dropped()
+                self.ledger.record(g.ticket, "surplus", self.step, reason=f"over-sampled: the batch took {self.batch_size} groups")
+            self.buffer = []
         batch = self.builder.batch(chosen, self.version)
         for lag in batch.lags:
             self.staleness.check(lag)
@@ -305,7 +326,7 @@ class Controller:
         self.eval_rounds += 1
         modes = (False, True) if self.cfg.eval.greedy else (False,)
         tickets = [EvalTicket(rnd, p.id, name, greedy) for name, ps in self.eval_sets.items() for greedy in modes for p in ps]
-        self.evals[rnd] = _Eval(self.version, len(tickets))
+        self.evals[rnd] = _Eval(self.version, len(tickets), self.backend.now())
         for ticket in tickets:
             self._submit_eval(ticket)
         while blocking and rnd in self.evals and not self.stop.requested:
@@ -346,7 +367,7 @@ class Controller:
         record = {
             "round": rnd, "step": self.step, "version": ev.version, "accuracy": first["mean_at_k"], "samples": first["samples"],
             "prompts": first["prompts"], "failed": first["failed"], "min_version": min(versions, default=None),
-            "sets": sets,
+            "seconds": self.backend.now() - ev.began, "sets": sets,
         }
         self.eval_history.append(record)
         self.telemetry.evaluation(record)

@@ -48,6 +48,11 @@ CATALOG: dict[str, Family] = {
     "drpo_objective_regularizer_share": Family("drpo_objective_regularizer_share", "gauge", "Regularizer's share of the loss magnitude"),
     "drpo_objective_weight_hist": Family("drpo_objective_weight_hist", "gauge", "Tokens per bin of the DRPO gradient weight w (label bin)"),
     "drpo_objective_weight_mean": Family("drpo_objective_weight_mean", "gauge", "Mean DRPO gradient weight w"),
+    "drpo_objective_weight_abs_dev_mean": Family("drpo_objective_weight_abs_dev_mean", "gauge", "Mean |w - 1| = mean |pi - mu| / delta over tokens with A != 0"),
+    "drpo_objective_weight_above_one_ratio": Family(
+        "drpo_objective_weight_above_one_ratio", "gauge", "Fraction of tokens whose DRPO weight w exceeds 1 + 0.001 (pi moved against A's sign)"),
+    "drpo_gap_update_abs_shift_mean": Family(
+        "drpo_gap_update_abs_shift_mean", "gauge", "Mean |pi - mu| at each update of a rollout batch (label update = 0, 1, ...: train.epochs x mini_batches)"),
     "drpo_objective_corrective_ratio": Family("drpo_objective_corrective_ratio", "gauge", "Fraction of tokens with a negative (corrective) weight"),
     "drpo_objective_masked_ratio": Family("drpo_objective_masked_ratio", "gauge", "DPPO: fraction of tokens masked"),
     "drpo_objective_masked_ratio_pos_adv": Family("drpo_objective_masked_ratio_pos_adv", "gauge", "DPPO: masked fraction among A > 0 tokens"),
@@ -79,6 +84,7 @@ CATALOG: dict[str, Family] = {
     "drpo_reward_mean": Family("drpo_reward_mean", "gauge", "Mean reward of the last step's samples"),
     "drpo_reward_accuracy_ratio": Family("drpo_reward_accuracy_ratio", "gauge", "Fraction of the last step's samples with full reward"),
     "drpo_eval_accuracy_ratio": Family("drpo_eval_accuracy_ratio", "gauge", "mean@k of the first eval set in the last evaluation"),
+    "drpo_eval_seconds": Family("drpo_eval_seconds", "gauge", "Wall seconds of the last evaluation round, from submission to its last answer"),
     "drpo_eval_mean_at_k_ratio": Family("drpo_eval_mean_at_k_ratio", "gauge", "mean@k per eval set (label set) in the last evaluation"),
     "drpo_eval_pass_at_k_ratio": Family("drpo_eval_pass_at_k_ratio", "gauge", "Unbiased pass@k per eval set (labels set, k)"),
     "drpo_eval_greedy_accuracy_ratio": Family("drpo_eval_greedy_accuracy_ratio", "gauge", "Greedy accuracy per eval set (label set)"),
@@ -116,6 +122,8 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
         return "drpo_prompts", {"outcome": parts[1]}
     if parts[0] == "gap" and parts[1] == "proximal":
         return _name(key), {}
+    if parts[0] == "gap" and parts[1].startswith("update_"):
+        return _name("gap/update/" + "/".join(parts[2:])), {"update": parts[1].removeprefix("update_")}
     if parts[0] == "gap":
         lag = _LAG_LABEL.get(parts[1], "all")
         rest = parts[2:] if parts[1] in _LAG_LABEL else parts[1:]

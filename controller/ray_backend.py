@@ -231,7 +231,7 @@ class RayBackend(Backend):
         return taken
 
     def train(self, batch: TrainBatch) -> None:
-        self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches)
+        self._train = self.learner.submit_train(batch, self.cfg.train.mini_batches, self.cfg.train.epochs)
 
     def wait(self) -> Events:
         self._probe_down_workers()

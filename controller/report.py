@@ -107,12 +107,15 @@ def _plot(name: str, ax, run: RunRecords) -> bool:
             ("gap/numerics/abs_shift_mean", "mean, lag 0 (numerics)", "-o"), ("gap/staleness/abs_shift_mean", "mean, lag ≥ 1 (staleness)", "-s"),
             ("gap/numerics/abs_shift_p99", "p99, lag 0", ":"), ("gap/staleness/abs_shift_p99", "p99, lag ≥ 1", "--"),
             ("gap/inflight/abs_shift_mean", "mean, lag 0 after an update mid-request", "-^"),
+            *[(f"gap/update_{i}/abs_shift_mean", f"mean at update {i} of the batch (π moved by its earlier updates)", "-.")
+              for i in range(1, int(max((s.get("learner/updates", 1) for s in steps), default=1)))],
         ], "|π − μ|")
     if name == "regularizer":
         ax.set_title("regularizer")
         return _lines(ax, steps, [
             ("objective/regularizer_mean", "mean quadratic term", "-o"), ("objective/regularizer_share", "share of the loss", "-s"),
-            ("objective/corrective_frac", "corrective fraction", "--"),
+            ("objective/corrective_frac", "corrective fraction (w < 0)", "--"), ("objective/weight_above_one_frac", "w > 1 fraction", ":"),
+            ("objective/weight_abs_dev_mean", "mean |w − 1|", "-^"),
         ], "value")
     if name == "weight_hist":
         xs, rows = _bins(steps, "objective/weight_hist")

@@ -46,22 +46,24 @@ class StalenessStats:
 class StalenessManager:
     def __init__(
         self, max_staleness: int, batch_size: int, version: Callable[[], int], max_concurrent: int | None = None,
-        serving_version: Callable[[], int] | None = None,
+        serving_version: Callable[[], int] | None = None, surplus: int = 0,
     ):
         """``version``: the learner's policy version. ``serving_version``: the oldest version a new
         rollout may start under (the slowest worker's, while a publication travels); admission counts
-        with it, so a lagging publication slows admission instead of producing samples to drop."""
+        with it, so a lagging publication slows admission instead of producing samples to drop.
+        ``surplus``: rollouts admitted beyond the bound's (eta + v + 1) * B (sync over-sampling: the
+        caller drops what the batch does not take, giving the slots back with ``on_dropped``)."""
         if max_staleness < 0 or batch_size < 1:
             raise ValueError(f"max_staleness must be >= 0 and batch_size >= 1, got {max_staleness}, {batch_size}")
         self.max_staleness, self.batch_size = max_staleness, batch_size
-        self.max_concurrent = max_concurrent
+        self.max_concurrent, self.surplus = max_concurrent, surplus
         self._version = version
         self._serving = serving_version or version
         self._lock = threading.Lock()
         self._accepted = self._running = self._rejected = self._admitted = 0
 
     def _capacity(self) -> int:
-        limit = (self.max_staleness + min(self._version(), self._serving()) + 1) * self.batch_size - (self._accepted + self._running)
+        limit = (self.max_staleness + min(self._version(), self._serving()) + 1) * self.batch_size + self.surplus - (self._accepted + self._running)
         if self.max_concurrent is not None:
             limit = min(limit, self.max_concurrent - self._running)
         return limit

@@ -71,7 +71,7 @@ class Telemetry:
         self.steps: list[dict] = []
         self.evals: list[dict] = []
         self._tty = sys.stderr.isatty()
-        self._since = clock()
+        self._since = self._began = clock()  # _since: the last step's end (rates); _began: the engines were up
         self._group_tokens = self._groups = 0
         self.worker_events: dict[str, int] = {}
         self.loggers = list(loggers)
@@ -140,7 +140,8 @@ class Telemetry:
     def evaluation(self, record: dict) -> None:
         record = {"kind": "eval", "time": self.clock(), **record}
         self.evals.append(record)
-        values = {"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"]}
+        values = {"eval/accuracy": record["accuracy"], "eval/samples": record["samples"], "eval/version": record["version"],
+                  "eval/seconds": record["seconds"]}
         for name, summary in record.get("sets", {}).items():
             values.update({f"eval/{name}/{key}": v for key, v in summary.items() if isinstance(v, (int, float))})
         self._publish(values, record)
@@ -218,10 +219,12 @@ class Telemetry:
         width = 20
         done = int(width * r["step"] / self.total_steps)
         ev = self.evals[-1] if self.evals else None
+        last = int(r.get("learner/updates", 1)) - 1  # several updates per batch: how far the last one's pi had moved
+        drift = f"(update {last}: {r[f'gap/update_{last}/abs_shift_mean']:.4f}) " if last and f"gap/update_{last}/abs_shift_mean" in r else ""
         line = (
             f"step {r['step']}/{self.total_steps} [{'#' * done}{'.' * (width - done)}] "
             f"reward {r['reward/mean']:.3f} acc {r['reward/accuracy']:.3f} "
-            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} {self._objective_headline(r)} "
+            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} {drift}{self._objective_headline(r)} "
             f"staleness {r['staleness/lag_mean']:.2f}"
         )
         line += (f" eval {ev['accuracy']:.3f}" if ev else "") + f" {r['step_seconds']:.1f}s/step"
@@ -239,6 +242,23 @@ class Telemetry:
             if key in r:
                 return f"{name} {r[key]:.4f}"
         return ""
+
+    def _update_rows(self, mean) -> list[tuple[str, str]]:
+        """Several updates per rollout batch: pi moves away from mu within the batch. |pi - mu| per
+        update index and, for DRPO, what its trust region did (weights counted beyond
+        objectives.drpo.WEIGHT_TOLERANCE)."""
+        updates = max((s.get("learner/updates", 1) for s in self.steps), default=1)
+        if updates <= 1:
+            return []
+        rows = [("updates per rollout batch", f"{updates:.0f}"),
+                ("|pi-mu| mean by update", ", ".join(f"{i}: {mean(f'gap/update_{i}/abs_shift_mean'):.5f}" for i in range(int(updates))))]
+        if any("objective/weight_abs_dev_mean" in s for s in self.steps):
+            rows += [
+                ("DRPO weights above 1 / below 0", f"{mean('objective/weight_above_one_frac'):.4f} / {mean('objective/corrective_frac'):.4f} "
+                                                  "of tokens (beyond 0.001)"),
+                ("DRPO mean |w-1|, regularizer share", f"{mean('objective/weight_abs_dev_mean'):.5f}, {mean('objective/regularizer_share'):.5f} of the loss"),
+            ]
+        return rows
 
     def summary(self, eval_history: list[dict], ledger: dict[str, int], model_dir: Path | None = None) -> str:
         """A plain-text table of the run: eval accuracy first and last (and per eval set), throughput, gap, ledger."""
@@ -270,6 +290,13 @@ class Telemetry:
                 ("corrective fraction", f"{mean('objective/corrective_frac'):.5f}"),
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
             ]
+            rows += self._update_rows(mean)
+        if self.evals:
+            seconds = [e["seconds"] for e in self.evals if "seconds" in e]
+            wall = self.clock() - self._began
+            if seconds:
+                rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds, "
+                                                             f"{sum(seconds) / max(wall, 1e-9):.0%} of the {wall:.0f} s since the engines were up)"))
         rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))
         if model_dir is not None:

@@ -25,6 +25,9 @@ DASHBOARDS = {
             ('drpo_gap_ratio_p01{lag="all"}', "p01"), ('drpo_gap_ratio_p50{lag="all"}', "p50"), ('drpo_gap_ratio_p99{lag="all"}', "p99"),
         ], "none"),
         ("fraction of tokens beyond δ", [("drpo_gap_beyond_delta_ratio", LAG)], "percentunit"),
+        ("|π−μ| at each update of a rollout batch (train.epochs × mini_batches; update 0 is on-policy up to numerics and staleness)", [
+            ("drpo_gap_update_abs_shift_mean", "update {{update}}"),
+        ], "none"),
         ("|π−π_prox|: the batch's own drift over its updates, not the gap to μ (decoupled or mini-batches > 1)", [
             ("drpo_gap_proximal_abs_shift_mean", "mean"), ("drpo_gap_proximal_abs_shift_max", "max"),
         ], "none"),
@@ -35,8 +38,12 @@ DASHBOARDS = {
     "drpo-regularizer": ("drpo — DRPO regularizer", [
         ("regularizer magnitude (mean quadratic term per token)", [("drpo_objective_regularizer_mean", "regularizer")], "none"),
         ("regularizer share of the loss", [("drpo_objective_regularizer_share", "share")], "percentunit"),
-        ("corrective (negative-weight) fraction", [("drpo_objective_corrective_ratio", "corrective")], "percentunit"),
-        ("gradient weight w: mean", [("drpo_objective_weight_mean", "mean w")], "none"),
+        ("weights past their bounds (by more than 0.001): corrective w < 0, w > 1", [
+            ("drpo_objective_corrective_ratio", "corrective (w < 0)"), ("drpo_objective_weight_above_one_ratio", "w > 1"),
+        ], "percentunit"),
+        ("gradient weight w: mean and mean |w − 1|", [
+            ("drpo_objective_weight_mean", "mean w"), ("drpo_objective_weight_abs_dev_mean", "mean |w − 1|"),
+        ], "none"),
         ("gradient weight w: histogram (tokens per bin)", [("drpo_objective_weight_hist", "bin {{bin}}")], "none"),
         ("learner entropy", [("drpo_learner_entropy_mean", "entropy")], "none"),
     ]),
@@ -58,6 +65,7 @@ DASHBOARDS = {
             ("drpo_rollout_weight_update_seconds", "weight update"),
         ], "s"),
         ("rollout queue depth", [("drpo_rollout_queue_depth", "queued + generating")], "none"),
+        ("evaluation round seconds (submission to last answer)", [("drpo_eval_seconds", "last round")], "s"),
         ("reward and accuracy", [
             ("drpo_reward_mean", "train reward"), ("drpo_reward_accuracy_ratio", "train accuracy"), ("drpo_eval_accuracy_ratio", "eval accuracy (first set)"),
         ], "percentunit"),

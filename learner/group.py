@@ -90,16 +90,16 @@ class LearnerGroup:
     def _dp_rank(self, rank: int) -> int:
         return rank // self.cfg.parallel.tensor
 
-    def train(self, batch: TrainBatch, mini_batches: int = 1) -> StepMetrics:
-        """``batch`` trained as ``mini_batches`` updates, each split across data-parallel ranks
-        (``submit_train``, waited for); rank 0's metrics (already reduced across ranks)."""
-        return check_host(ray.get(self.submit_train(batch, mini_batches)[0]), "train")
+    def train(self, batch: TrainBatch, mini_batches: int = 1, epochs: int = 1) -> StepMetrics:
+        """``batch`` trained as ``epochs`` passes of ``mini_batches`` updates, each split across
+        data-parallel ranks (``submit_train``, waited for); rank 0's metrics (already reduced across ranks)."""
+        return check_host(ray.get(self.submit_train(batch, mini_batches, epochs)[0]), "train")
 
-    def submit_train(self, batch: TrainBatch, mini_batches: int = 1) -> list:
-        """Start ``mini_batches`` updates on consecutive slices of ``batch`` (each split across
-        data-parallel ranks); returns one ref per rank to its StepMetrics."""
+    def submit_train(self, batch: TrainBatch, mini_batches: int = 1, epochs: int = 1) -> list:
+        """Start ``epochs`` passes of ``mini_batches`` updates on consecutive slices of ``batch``
+        (each split across data-parallel ranks); returns one ref per rank to its StepMetrics."""
         per_rank = list(zip(*(mb.split(self.cfg.parallel.data) for mb in batch.split(mini_batches))))
-        return [w.train.remote(list(per_rank[self._dp_rank(i)])) for i, w in enumerate(self.workers)]
+        return [w.train.remote(list(per_rank[self._dp_rank(i)]), epochs) for i, w in enumerate(self.workers)]
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of every sequence (each data-parallel rank computes its slice)."""

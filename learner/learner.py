@@ -30,7 +30,7 @@ from learner.metrics import MetricAccumulator
 from learner.routing import Routing
 from objectives.anchor import decoupled_inputs
 from objectives.base import Metric
-from objectives.diagnostics import gap_metrics, gap_metrics_by_lag
+from objectives.diagnostics import abs_shift_mean, gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
 
 
@@ -200,28 +200,29 @@ class Learner:
 
     # ---- step -------------------------------------------------------------------------------------
 
-    def train(self, mini_batches: list[TrainBatch] | TrainBatch) -> StepMetrics:
-        """One rollout batch: an optimizer update per mini-batch (one TrainBatch: one update), then
-        the version advances once (the policy version counts rollout batches, what the staleness
-        bound is stated in).
+    def train(self, mini_batches: list[TrainBatch] | TrainBatch, epochs: int = 1) -> StepMetrics:
+        """One rollout batch: ``epochs`` passes, each an optimizer update per mini-batch (one
+        TrainBatch, one epoch: one update), then the version advances once (the policy version
+        counts rollout batches, what the staleness bound is stated in).
 
         The log-probs at consumption (``proximal_logp``, the weights before any of this batch's
         updates) come first for every mini-batch when the decoupled anchor needs them (AReaL, arXiv
-        2505.24298) or when there is more than one mini-batch: gap/* must be pi at consumption
+        2505.24298) or when there is more than one update: gap/* must be pi at consumption
         against mu, not include the drift of this batch's own earlier updates (which is reported
-        apart, as gap/proximal/*). One mini-batch needs no extra pass: its update's pi is it."""
+        apart, as gap/proximal/*, and per update as gap/update_<i>/abs_shift_mean: pi at update i
+        against mu). One update needs no extra pass: its update's pi is it."""
         started = time.perf_counter()
         if isinstance(mini_batches, TrainBatch):
             mini_batches = [mini_batches]
         for mb in mini_batches:
             if mb.version is not None and mb.version != self.version:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
-        if self.cfg.anchor == "decoupled" or len(mini_batches) > 1:
+        if self.cfg.anchor == "decoupled" or len(mini_batches) * epochs > 1:
             mini_batches = [self._with_proximal(mb) for mb in mini_batches]
         acc = MetricAccumulator(self.device)
         losses, norms, tokens = [], [], 0
-        for mb in mini_batches:
-            loss, grad_norm, count = self._update(mb, acc)
+        for index, mb in enumerate(mini_batches * epochs):
+            loss, grad_norm, count = self._update(mb, acc, index)
             losses.append(loss)
             norms.append(grad_norm)
             tokens += count
@@ -231,7 +232,7 @@ class Learner:
             dist.all_reduce(loss, group=self._dp_group())
         values = acc.reduce(self._dp_group())
         values["learner/entropy_mean"] = values.pop("gap/entropy_mean", float("nan"))
-        values.update({"learner/grad_norm_max": max(norms), "learner/updates": len(mini_batches)})
+        values.update({"learner/grad_norm_max": max(norms), "learner/updates": len(losses)})
         return StepMetrics(
             updates=self.step_count, version=self.version, loss=float(loss.mean()), grad_norm=sum(norms) / len(norms),
             lr=self.optimizer.lr, tokens=tokens, seconds=time.perf_counter() - started, values=values,
@@ -262,10 +263,10 @@ class Learner:
             stats.logp, mb.rollout_logp, mb.proximal_logp, mb.advantages, mask, self.cfg.behaviour_weight_cap, mb.proximal_topk_logp, stats.ids_logp
         )
 
-    def _update(self, batch: TrainBatch, acc: MetricAccumulator) -> tuple[torch.Tensor, float, int]:
+    def _update(self, batch: TrainBatch, acc: MetricAccumulator, index: int = 0) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR
-        schedule. Returns this rank's loss (a tensor: no host sync), the grad norm and the global
-        number of response tokens."""
+        schedule; ``index`` is the update's place in its rollout batch. Returns this rank's loss (a
+        tensor: no host sync), the grad norm and the global number of response tokens."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -288,6 +289,7 @@ class Learner:
             acc.add("objective/", out.metrics)
             acc.add("learner/", anchor_metrics)
             self._gap_metrics(acc, stats, mb, delta)
+            acc.add(f"gap/update_{index}/", {"abs_shift_mean": abs_shift_mean(stats.logp.detach(), mb.rollout_logp, mb.response_mask)})
         acc.add("learner/", {
             "forward_tokens": Metric(torch.tensor(float(slots)), "sum"),
             "padding_frac": Metric(torch.tensor(1.0 - real / max(1, slots)), "mean", count=torch.tensor(float(slots))),

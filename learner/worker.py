@@ -57,9 +57,9 @@ class LearnerWorker:
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port, self._take_listener())
         self.learner = Learner.build(self.cfg, model_folder=model_folder)
 
-    def train(self, mini_batches: list[TrainBatch]) -> StepMetrics:
+    def train(self, mini_batches: list[TrainBatch], epochs: int = 1) -> StepMetrics:
         """One rollout batch (this rank's slice of each mini-batch): Learner.train."""
-        return to_host(self.learner.train(mini_batches))
+        return to_host(self.learner.train(mini_batches, epochs))
 
     def compute_logprobs(self, input_ids: torch.Tensor) -> TokenLogProbs:
         return to_host(self.learner.compute_logprobs(input_ids))

@@ -37,6 +37,11 @@ def masked_max(x: torch.Tensor, valid: torch.Tensor) -> Metric:
     return Metric(filled.max() if filled.numel() else torch.tensor(float("-inf")), "max", valid.sum())
 
 
+def abs_shift_mean(policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """Mean |pi - mu| over ``mask``: gap_metrics' first figure alone, for one update of several."""
+    return masked_mean((policy_logp.detach().float().exp() - rollout_logp.detach().float().exp()).abs(), mask.bool())
+
+
 def gap_metrics(
     policy_logp: torch.Tensor,
     rollout_logp: torch.Tensor,

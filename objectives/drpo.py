@@ -136,6 +136,8 @@ def _weight_metrics(inputs: ObjectiveInputs, signed_shift: torch.Tensor, delta: 
     mean_w = 1.0 - torch.dot(signed_shift.flatten(), weights) / count.clamp_min(1) / delta
     return {
         "weight_mean": Metric(torch.where(count > 0, mean_w, 0.0), "mean", count),
+        # mean |w - 1| = mean |pi - mu| / delta: how far the weights moved, beside the fractions
+        "weight_abs_dev_mean": Metric(torch.dot(signed_shift.abs().flatten(), weights) / count.clamp_min(1) / delta, "mean", count),
         "weight_hist": weight_histogram(signed_shift, active, delta, weights),
         "corrective_frac": fraction(signed_shift > delta * (1 + WEIGHT_TOLERANCE), active),
         "weight_above_one_frac": fraction(signed_shift < -delta * WEIGHT_TOLERANCE, active),

@@ -123,6 +123,32 @@ def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
     assert "no step records (1 unreadable lines)" in capsys.readouterr().err
 
 
+def test_two_epochs_over_oversampled_sync_batches_make_drpo_act_on_policy(ray_local, tiny_chat_model, tmp_path):
+    """train.epochs 2: the second update of each batch sees pi moved by the first (fp32 on both sides,
+    so the first sees pi = mu up to float error), and DRPO's regularizer acts; train.oversample 2
+    with the zero-variance filter on: each round asks for twice the missing groups, the batch takes
+    B and the rest is ledgered as surplus. The summary says all of it."""
+    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, epochs=2, oversample=2.0)
+    ro = cfg.rollout
+    cfg = cfg.model_copy(update={
+        "eval": cfg.eval.model_copy(update={"every": 0}),
+        # over-long shaping gives this model's groups reward variance, so the filter keeps some
+        "rollout": ro.model_copy(update={"scoring": ro.scoring.model_copy(update={"overlong_penalty": 0.5})}),
+        "advantages": cfg.advantages.model_copy(update={"filter_zero_variance": True}),
+    })
+    result = train(cfg)
+    steps = records(tmp_path / "run", "step")
+    assert [s["version"] for s in steps] == [1, 2, 3] and all(s["learner/updates"] == 2 and s["staleness/lag_max"] == 0 for s in steps)
+    for s in steps:
+        assert s["gap/update_0/abs_shift_mean"] < 1e-4 < s["gap/update_1/abs_shift_mean"], s
+        assert s["objective/regularizer_share"] > 0 and s["objective/weight_abs_dev_mean"] > 0
+    assert result.ledger_counts["trained"] == 3 * cfg.train.prompts_per_step and result.ledger_counts.get("surplus", 0) > 0
+    evals = records(tmp_path / "run", "eval")
+    assert evals and all(e["seconds"] > 0 for e in evals)
+    for row in ("updates per rollout batch", "|pi-mu| mean by update", "DRPO mean |w-1|, regularizer share", "evaluation seconds per round"):
+        assert row in result.summary, result.summary
+
+
 def test_sync_run_with_a_bf16_packed_learner_shares_prompts_and_waits_for_its_evaluations(ray_local, tiny_chat_model, tmp_path):
     """The default preset's learner shape through drpo train: bf16 mixed precision, each group's
     prompt packed once, evaluations that the run waits for (eval.concurrent=false)."""

@@ -218,3 +218,36 @@ def test_an_evaluation_round_cut_short_by_a_stop_is_recorded_as_cancelled_not_as
     assert [r for r in lines if r["kind"] == "eval"] == [] and ctl.eval_history == []
     (cut,) = [r for r in lines if r["kind"] == "eval_cancelled"]
     assert (cut["round"], cut["answered"], cut["cancelled"]) == (0, 1, 4)
+
+
+class _Rounds(SimulatedBackend):
+    """Records the simulated time of every training submission: submissions at one instant are one
+    engine round."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.submitted: list[float] = []
+
+    def submit(self, worker, ticket, problem, n):
+        if isinstance(ticket, TrainTicket):
+            self.submitted.append(self.now())
+        super().submit(worker, ticket, problem, n)
+
+
+def test_sync_oversampling_fills_filtered_batches_from_the_surplus_instead_of_refill_rounds(tmp_path):
+    """At accuracy 0.8 a third of the groups of 4 are all correct and filtered. One prompt per missing
+    group needs a refill round after most rounds; asking for twice the missing groups fills nearly every
+    batch in one round, drops the rest as 'surplus', and still trains B on-policy groups a step."""
+    runs = {}
+    for oversample in (1.0, 2.0):
+        cfg = sim_config(tmp_path / str(oversample), workers=1, mode="sync", max_staleness=0, steps=12, oversample=oversample, checkpoint_every=12,
+                         sim={"accuracy": 0.8, "gen_cv": 0.0, "seed": 5})
+        backend = _Rounds(cfg.simulation, workers=1)
+        result = train(cfg, backend=backend)
+        assert result.ledger_counts["trained"] == 12 * cfg.train.prompts_per_step and max(trained_lags(cfg.run_dir)) == 0
+        runs[oversample] = (result.ledger_counts, len(set(backend.submitted)))
+    (plain, plain_rounds), (over, over_rounds) = runs[1.0], runs[2.0]
+    assert "surplus" not in plain and over["surplus"] > 0 and plain["filtered"] > 0
+    assert plain_rounds > 12 * 1.5 and over_rounds < 12 * 1.2  # rounds per step: refills vs (nearly) none
+    with pytest.raises(ValueError, match="train.oversample 2 needs train.mode sync"):
+        sim_config(tmp_path, mode="async", oversample=2.0)

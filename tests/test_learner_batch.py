@@ -123,3 +123,24 @@ def test_top_k_dppo_uses_pi_on_the_engine_ids(megatron_single_rank):
     assert 0 < got["objective/masked_frac"] < 1 and math.isfinite(got["learner/entropy_mean"])
     with pytest.raises(ValueError, match="dppo_topk_tv needs the engine's top-K log-probs: TrainBatch.rollout_topk_ids"):
         learner.train([dataclasses.replace(batch, rollout_topk_ids=None, rollout_topk_logp=None)])
+
+
+def test_epochs_train_the_whole_batch_again_and_drpo_acts_from_the_second_update(megatron_single_rank):
+    """Two passes over an on-policy batch (mu = the learner's own log-probs): the first update sees
+    pi = mu (w = 1 everywhere, no regularizer), the second sees pi moved by the first, so DRPO's
+    weights leave 1 and its quadratic term has a share of the loss; the version advances once."""
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.05), optimizer=OptimizerConfig(lr=1e-2, grad_clip=None), micro_batch_size=2)
+    learner, hf = _tiny(cfg)
+    batch = _batch(hf, noise=0.0)
+    one = _tiny(cfg)[0].train([batch]).values
+    got = learner.train([batch], epochs=2).values
+    assert got["learner/updates"] == 2 and learner.version == 1 and learner.step_count == 2
+    assert one["learner/updates"] == 1 and "gap/update_1/abs_shift_mean" not in one
+    assert got["gap/update_0/abs_shift_mean"] < 1e-5 < 1e-3 < got["gap/update_1/abs_shift_mean"]
+    assert got["gap/abs_shift_mean"] < 1e-5  # gap/* is pi at consumption against mu: on-policy here
+    assert got["gap/proximal/abs_shift_mean"] == pytest.approx(got["gap/update_1/abs_shift_mean"] / 2, rel=1e-3)  # mean of 0 and it
+    assert one["objective/regularizer_share"] < 1e-9 and got["objective/regularizer_share"] > 1e-6
+    assert one["objective/weight_abs_dev_mean"] < 1e-4 < got["objective/weight_abs_dev_mean"]
+    # the first update moved pi the advantage's way: w = 1 - sign(A)(pi - mu)/delta falls below 1 on the second
+    assert got["objective/weight_mean"] < 1 - 1e-3 and one["objective/weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert one["objective/weight_above_one_frac"] == 0 == one["objective/corrective_frac"]

@@ -41,6 +41,8 @@ def shrink(preset: str, model: Path, run_dir: Path, data: Path) -> list[str]:
             f"task.train_path={data / 'dapo.jsonl'}", f"eval.sets=[{{name: aime-2024, path: {data / 'aime.jsonl'}}}]",
             "eval.samples_per_prompt=2", "eval.pass_k=[1, 2]", "rollout.max_prompt_tokens=256",
         ]
+    if preset == "default":  # its wording and range eval sets too, 2 prompts each
+        return [*common, "task.train_size=16", "task.test_size=2", "task.extra_eval_size=2"]
     return [*common, "task.train_size=16", "task.test_size=2"]
 
 

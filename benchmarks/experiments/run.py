@@ -147,13 +147,14 @@ def run_cells(todo, out: Path, base_of, target: float, log=print, on_row=None) -
         else:
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # an interrupted cell starts over
-            cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}"])
+            # no Hugging Face export: a cell keeps its summary and metrics.jsonl only (below)
+            cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}", "checkpoint.hf=false"])
             started = time.time()
             log(f"[{len(rows) + 1}/{len(todo)}] {cell.name}")
             try:
                 train(cfg)
                 summary = {**summarize(run_dir, target), "error": None}
-                for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result
+                for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result (hf: cells of older runs)
                     shutil.rmtree(run_dir / folder, ignore_errors=True)
             except Exception as err:  # a diverging run is a result, not a reason to stop the grid
                 error = f"{type(err).__name__}: {err}"
