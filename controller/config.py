@@ -33,8 +33,8 @@ class TrainConfig(Section):
     prompts_per_step: int = Field(8, ge=1, description="B: groups per rollout batch (after filtering).")
     mini_batches: int = Field(1, ge=1, description="Optimizer updates per pass over a rollout batch (the batch is split in this many).")
     epochs: int = Field(
-        1, ge=1, description="Passes over each rollout batch, each of train.mini_batches updates: every update after the first sees "
-        "pi != mu, where DRPO's trust region acts (updates per batch = epochs x mini_batches).",
+        1, ge=1, description="Passes over each rollout batch (not over the prompt set), each of train.mini_batches updates: every "
+        "update after the first sees pi != mu, where DRPO's trust region acts (updates per batch = epochs x mini_batches).",
     )
     mode: Literal["sync", "async"] = Field("async", description="sync: generate then train (on-policy); async: rollout runs ahead.")
     oversample: float = Field(
@@ -256,6 +256,11 @@ class RunConfig(Section):
                 f"deadlines.{', deadlines.'.join(f'{k}={v:g}' for k, v in late.items())} must be below train.stall_fail_seconds={stall:g}: "
                 "a worker past that deadline is restarted, and the run would fail as stalled before it; lower the deadline or raise "
                 "train.stall_fail_seconds (0: no stall limit)"
+            )
+        if self.train.oversample > 1 and not self.advantages.filter_zero_variance:
+            raise ValueError(
+                f"train.oversample {self.train.oversample:g} over-samples for the zero-variance filter, which is off: every group "
+                "would train and the surplus would be generated only to be dropped; set advantages.filter_zero_variance=true"
             )
         if self.advantages.estimator == "rloo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("advantages.estimator=rloo needs rollout.samples_per_prompt >= 2")

@@ -174,8 +174,13 @@ PY
 
 export -f payload parts install train_and_resume nccl_one_gpu train_broadcast
 
+CHECKS=(cuda gpu-tests train-resume nccl-one-gpu train-broadcast train-vllm train-sglang)
+for name in ${GPU_CHECKS:-}; do  # a misspelled name would skip every check and pass
+  [[ " ${CHECKS[*]} " == *" $name "* ]] || { echo "FAIL GPU_CHECKS: no check is named $name (checks: ${CHECKS[*]})"; exit 1; }
+done
+
 gpu_checks() {  # $1 = 1 when the GPU checks run, else each is named and skipped
-  local names=(cuda gpu-tests train-resume nccl-one-gpu train-broadcast train-vllm train-sglang)
+  local names=("${CHECKS[@]}")
   if [ "$1" != 1 ]; then
     for name in "${names[@]}"; do echo "SKIP $name: dry run, no GPU here"; done
     return

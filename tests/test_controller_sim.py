@@ -251,3 +251,6 @@ def test_sync_oversampling_fills_filtered_batches_from_the_surplus_instead_of_re
     assert plain_rounds > 12 * 1.5 and over_rounds < 12 * 1.2  # rounds per step: refills vs (nearly) none
     with pytest.raises(ValueError, match="train.oversample 2 needs train.mode sync"):
         sim_config(tmp_path, mode="async", oversample=2.0)
+    unfiltered = {**sim_config(tmp_path, mode="sync", max_staleness=0, oversample=2.0).model_dump(), "advantages": {"filter_zero_variance": False}}
+    with pytest.raises(ValueError, match="over-samples for the zero-variance filter, which is off"):
+        RunConfig.model_validate(unfiltered)
