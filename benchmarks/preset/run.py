@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def run_once(name: str, sets: list[str], seed: int, out: Path, target: float) ->
     if done.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for folder in ("checkpoints", "hf"):  # ~4 GB a run (fp32 main parameters and Adam moments); metrics.jsonl is the result
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
     steps = [r for r in records if r["kind"] == "step"]
     evals = [r for r in records if r["kind"] == "eval"]
     reached = next((r for r in evals if r["accuracy"] >= target), None)
