@@ -89,12 +89,16 @@ class Controller:
             serving_version=lambda: min(
                 (backend.worker_version(w) for w in range(backend.workers) if backend.available(w)), default=self.version
             ),
-            surplus=math.ceil((cfg.train.oversample - 1) * self.batch_size),
+            surplus=math.ceil(round((cfg.train.oversample - 1) * self.batch_size, 9)),
         )
         self.builder = BatchBuilder.build(cfg.advantages, topk=objectives.required_topk(cfg.learner.objective))
         self.sampler = PromptSampler([p.id for p in train], cfg.seed)
         self.ledger = Ledger()
         self.in_flight: dict[TrainTicket, _Flight] = {}
+        self.drawn: dict[TrainTicket, int] = {}
+        """Each admitted training prompt's place in the draw: over-sampling keeps the batch's first-drawn
+        groups, not the first finished (short responses finish first)."""
+        self.draws = 0
         self.buffer: list[Group] = []
         self.training: _Step | None = None
         self.load = [0] * backend.workers
@@ -161,6 +165,8 @@ class Controller:
             worker = min(live, key=self.load.__getitem__)
             self.load[worker] += 1
             self.in_flight[ticket] = _Flight(worker, admitted=self.backend.now())
+            self.drawn[ticket] = self.draws
+            self.draws += 1
             self.backend.submit(worker, ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt)
 
     def _round_quota(self) -> int:
@@ -171,7 +177,7 @@ class Controller:
             return -1
         if self.in_flight or self.training is not None:
             return 0
-        return math.ceil(self.cfg.train.oversample * max(0, self.batch_size - len(self.buffer)))
+        return math.ceil(round(self.cfg.train.oversample * max(0, self.batch_size - len(self.buffer)), 9))
 
     def handle(self, events: Events) -> None:
         for worker in events.lost:
@@ -276,9 +282,11 @@ class Controller:
             self.ledger.record(g.ticket, "stale", self.step, reason=f"sampled at version {g.oldest_version}, learner at {self.version}")
         if len(self.buffer) < self.batch_size:
             return
-        self.buffer.sort(key=lambda g: g.oldest_version)
+        oversampled = self.cfg.train.oversample > 1
+        self.buffer.sort(key=lambda g: (g.oldest_version, self.drawn.get(g.ticket, 0) if oversampled else 0))
         chosen, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size :]
-        if self.cfg.train.oversample > 1:  # sync over-sampling: what the batch does not take would be stale next version
+        self.drawn = {t: i for t, i in self.drawn.items() if t in self.in_flight}  # the buffer is dropped below when oversampled
+        if oversampled:  # sync over-sampling: what the batch does not take would be stale next version
             for g in self.buffer:
                 self.staleness.on_dropped()
                 self.ledger.record(g.ticket, "surplus", self.step, reason=f"over-sampled: the batch took {self.batch_size} groups")

@@ -225,7 +225,7 @@ class Learner:
             loss, grad_norm, count = self._update(mb, acc, index)
             losses.append(loss)
             norms.append(grad_norm)
-            tokens += count
+            tokens += count if index < len(mini_batches) else 0  # the batch's tokens, once however many passes
         self.version += 1
         loss = torch.stack(losses)
         if self._dp_size() > 1:  # each rank's loss is normalized by global counts: ranks' parts add up

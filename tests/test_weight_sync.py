@@ -79,6 +79,16 @@ def test_broadcast_publications_land_bit_exact_in_every_engine(ray_local, tiny_v
         backend.shutdown()
 
 
+def rejoined(run_dir, back_at: int) -> bool:
+    """Two steps after the worker came back, the last with both workers receiving (a line being
+    written reads as not yet)."""
+    try:
+        steps = records(run_dir, "step")
+        return len(steps) >= back_at + 2 and steps[-1]["rollout/receive_workers"] == 2
+    except (ValueError, KeyError):
+        return False
+
+
 @pytest.mark.parametrize("engine,fault", [
     ("hf", "exit_on_receive"),  # the process dies during a publication
     ("hf", "fail_on_receive"),  # alive, but its engine reports a failed load: restarted by the backend
@@ -99,7 +109,7 @@ def test_a_worker_failing_a_broadcast_is_dropped_and_rejoins(ray_local, tiny_cha
             when(lambda: (run_dir / "metrics.jsonl").exists(), timeout=300)  # the run has started (a stop before that ends it at once)
             when(lambda: "back" in [e["event"] for e in records(run_dir, "worker")], timeout=300)
             back_at = len(records(run_dir, "step"))
-            when(lambda: len(records(run_dir, "step")) >= back_at + 2 and records(run_dir, "step")[-1]["rollout/receive_workers"] == 2)
+            when(lambda: rejoined(run_dir, back_at))
         finally:
             stop.request(signal.SIGTERM)
 
