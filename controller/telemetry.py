@@ -291,12 +291,10 @@ class Telemetry:
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
             ]
             rows += self._update_rows(mean)
-        if self.evals:
-            seconds = [e["seconds"] for e in self.evals if "seconds" in e]
-            wall = self.clock() - self._began
-            if seconds:
-                rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds, "
-                                                             f"{sum(seconds) / max(wall, 1e-9):.0%} of the {wall:.0f} s since the engines were up)"))
+        if self.evals:  # this session's rounds: each record came through evaluation(), with its seconds
+            seconds, wall = [e["seconds"] for e in self.evals], self.clock() - self._began
+            rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds, "
+                                                         f"{sum(seconds) / max(wall, 1e-9):.0%} of the {wall:.0f} s since the engines were up)"))
         rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))
         if model_dir is not None:

@@ -37,9 +37,14 @@ def masked_max(x: torch.Tensor, valid: torch.Tensor) -> Metric:
     return Metric(filled.max() if filled.numel() else torch.tensor(float("-inf")), "max", valid.sum())
 
 
+def _abs_shift(policy_logp: torch.Tensor, rollout_logp: torch.Tensor) -> torch.Tensor:
+    """|pi - mu| per token, in fp32, outside autograd."""
+    return (policy_logp.detach().float().exp() - rollout_logp.detach().float().exp()).abs()
+
+
 def abs_shift_mean(policy_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Metric:
     """Mean |pi - mu| over ``mask``: gap_metrics' first figure alone, for one update of several."""
-    return masked_mean((policy_logp.detach().float().exp() - rollout_logp.detach().float().exp()).abs(), mask.bool())
+    return masked_mean(_abs_shift(policy_logp, rollout_logp), mask.bool())
 
 
 def gap_metrics(
@@ -59,7 +64,7 @@ def gap_metrics(
     policy_logp, rollout_logp = policy_logp.detach().float(), rollout_logp.detach().float()
     log_r = torch.clamp(policy_logp - rollout_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = log_r.exp()
-    shift = (policy_logp.exp() - rollout_logp.exp()).abs()
+    shift = _abs_shift(policy_logp, rollout_logp)
     out = {
         "abs_shift_mean": masked_mean(shift, valid),
         "abs_shift_max": masked_max(shift, valid),
