@@ -8,7 +8,8 @@
 #                                         payload, install it (--no-index --no-deps --target), run the checks
 #   bash scripts/gpu-check.sh dry         here, without a GPU: every call's steps on local folders, then
 #                                         each GPU check named and skipped
-# The checks, each under a deadline, one line each (PASS/FAIL/SKIP name (seconds): last line of its log):
+# The checks, each under a deadline, one line each (PASS/FAIL/SKIP name (seconds): last line of its log
+# that is not a library's warning):
 #   cuda            torch sees a CUDA device
 #   gpu-tests       the gpu-marked tests that need neither vLLM nor SGLang (tests/test_learner_gpu.py:
 #                   megatron's distributed optimizer, its checkpoint and the exact next step)
@@ -38,6 +39,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DRPO_CACHE="$WORK/cache"
 fails=0
 exec > >(tee "$OUT/summary.txt") 2>&1
 
+last_line() {  # a log's last line that is not a library's warning (NCCL's exit warning would hide pytest's tally)
+  grep -v -E '(Warning|warnings.warn)' "$1" | tail -n 1 | cut -c1-240
+}
+
 check() {  # check NAME SECONDS COMMAND...: runs it under a deadline, logs to $WORK/NAME.log, prints one line
   local name=$1 limit=$2 started=$SECONDS
   shift 2
@@ -46,11 +51,11 @@ check() {  # check NAME SECONDS COMMAND...: runs it under a deadline, logs to $W
     return
   fi
   if timeout -k 10 "$limit" bash -c '"$@"' check "$@" >"$WORK/$name.log" 2>&1; then  # bash -c: the functions below, exported
-    echo "PASS $name ($((SECONDS - started)) s): $(tail -n 1 "$WORK/$name.log" | cut -c1-240)"
+    echo "PASS $name ($((SECONDS - started)) s): $(last_line "$WORK/$name.log")"
   else
     local rc=$?
     [ "$rc" = 124 ] && echo "deadline of $limit s passed" >>"$WORK/$name.log"
-    echo "FAIL $name ($((SECONDS - started)) s): $(tail -n 1 "$WORK/$name.log" | cut -c1-240)"
+    echo "FAIL $name ($((SECONDS - started)) s): $(last_line "$WORK/$name.log")"
     fails=$((fails + 1))
   fi
 }
