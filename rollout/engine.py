@@ -317,13 +317,14 @@ def engine_problems(config: RolloutConfig, model_config: dict) -> list[str]:
 def engine_options(config: RolloutConfig, topk_logprobs: int = 0, record_routing: bool = False) -> dict:
     """The keyword arguments ``config.engine``'s class is built with: ``config.engine_kwargs``, then
     what the rollout config and the run imply for that engine unless engine_kwargs set it
-    (threads for hf; fp8 block size for sglang; routing recording, KV cache size and log-prob
-    width for vllm)."""
+    (threads for hf; fp8 block size for sglang; threads, routing recording, KV cache size and
+    log-prob width for vllm)."""
     options = dict(config.engine_kwargs)
     implied = {
         "hf": {"num_threads": config.threads},
         "sglang": {"fp8_block": config.fp8_block} if config.precision == "fp8" else {},
         "vllm": {
+            "num_threads": config.threads,
             **({"record_routing": True} if record_routing else {}),
             **({"kv_cache_gib": config.kv_cache_gib} if config.kv_cache_gib is not None else {}),
             **({"max_logprobs": topk_logprobs} if topk_logprobs > VLLM_DEFAULT_MAX_LOGPROBS else {}),

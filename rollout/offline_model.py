@@ -42,14 +42,19 @@ def smollm2_gguf_path() -> Path:
     raise FileNotFoundError(f"{GGUF_NAME} is not among the files of {DISTRIBUTION} {dist.version}")
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
 def materialize_smollm2(target: Path | None = None) -> Path:
     """A Hugging Face folder of SmolLM2-135M-Instruct, built from the gguf on first use.
 
     Writes into a temporary sibling and renames it into place, so an interrupted run never leaves a
-    half-written folder that later runs would trust.
+    half-written folder that later runs would trust; when processes build it at once, the first
+    folder renamed into place stays (the others' are dropped, never the one being read).
     """
     target = Path(target) if target is not None else cache_root() / "models" / FOLDER_NAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
@@ -67,9 +72,12 @@ def materialize_smollm2(target: Path | None = None) -> Path:
         model.load_state_dict(loaded.state_dict())
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:  # a folder is there: another process's, complete, or one left half-written
+            if not _complete(target):
+                shutil.rmtree(target)
+                tmp.rename(target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

