@@ -47,6 +47,14 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
     ("task.train_path", "eval.sets[0] (name)"...): (path, [(row, reason)]). One file loaded twice
     (say as training data in auto format and as an eval set in gsm8k format) is reported per load."""
     task, evals, reports = cfg.task, {}, {}
+    builtin = cfg.rollout.reward.type in ("literal", "math_verify")  # they compare with a ground truth: rows without one are skipped
+
+    def rows(section, path: str, max_chars: int):
+        return load_dataset(
+            path, max_chars, section.format, section.instruction, prompt_field=section.prompt_field, answer_field=section.answer_field,
+            system_prompt=section.system_prompt, require_answer=builtin,
+        )
+
     if isinstance(task, ArithmeticTask):
         train = arithmetic_split("train", task.train_size, task.seed, task.max_operand)
         for name in task.eval_set_names():
@@ -61,7 +69,7 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
         for field, path in (("task.train_path", task.train_path), ("task.test_path", task.test_path)):
             if path:
                 try:
-                    reports[field] = path, load_dataset(path, task.max_prompt_chars, task.format, task.instruction)
+                    reports[field] = path, rows(task, path, task.max_prompt_chars)
                 except (FileNotFoundError, ValueError) as err:
                     raise type(err)(f"{field}: {err}") from None
         train = reports["task.train_path"][1].problems
@@ -69,7 +77,7 @@ def problems(cfg: RunConfig) -> tuple[list[Problem], dict[str, list[Problem]], d
             evals["heldout"] = reports["task.test_path"][1].problems
     for i, extra in enumerate(cfg.eval.sets):
         try:
-            report = load_dataset(extra.path, 8192, extra.format, extra.instruction)
+            report = rows(extra, extra.path, 8192)
             reports[f"eval.sets[{i}] ({extra.name})"] = extra.path, report
         except (FileNotFoundError, ValueError) as err:
             raise type(err)(f"eval.sets[{i}] ({extra.name}): {err}") from None
@@ -173,7 +181,7 @@ def _train(cfg, run_dir, checkpoint, began, backend, startup, stop, train_set, e
         for logger in loggers:
             logger.close()
         raise
-    telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now, loggers)
+    telemetry = Telemetry(run_dir, cfg.metrics, cfg.train.steps, backend.now, loggers, reward=cfg.rollout.reward.label)
     telemetry.startup_phase(**(startup or {}), backend_seconds=time.monotonic() - began)
     for field, (path, rows) in skipped.items():
         telemetry.dataset_rows_skipped(path, rows, field)

@@ -83,6 +83,10 @@ CATALOG: dict[str, Family] = {
     "drpo_step_duration_seconds": Family("drpo_step_duration_seconds", "gauge", "Wall seconds between the last two steps"),
     "drpo_reward_mean": Family("drpo_reward_mean", "gauge", "Mean reward of the last step's samples"),
     "drpo_reward_accuracy_ratio": Family("drpo_reward_accuracy_ratio", "gauge", "Fraction of the last step's samples with full reward"),
+    "drpo_reward_errors": Family(
+        "drpo_reward_errors", "gauge", "Samples the reward could not score since the previous step (label reason: error, timeout, invalid, unreachable)"),
+    "drpo_reward_component": Family("drpo_reward_component", "gauge", "Mean of each named part of the reward over the last step's samples (label component)"),
+    "drpo_reward_scoring_seconds": Family("drpo_reward_scoring_seconds", "gauge", "Seconds the reward took over the groups since the previous step"),
     "drpo_eval_accuracy_ratio": Family("drpo_eval_accuracy_ratio", "gauge", "mean@k of the first eval set in the last evaluation"),
     "drpo_eval_seconds": Family("drpo_eval_seconds", "gauge", "Wall seconds of the last evaluation round, from submission to its last answer"),
     "drpo_eval_mean_at_k_ratio": Family("drpo_eval_mean_at_k_ratio", "gauge", "mean@k per eval set (label set) in the last evaluation"),
@@ -142,6 +146,8 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
         return _eval_series(parts[1], parts[2])
     if key == "reward/accuracy":
         return "drpo_reward_accuracy_ratio", {}
+    if parts[0] == "reward" and len(parts) == 3 and parts[1] in ("errors", "component"):
+        return f"drpo_reward_{parts[1]}", {"reason" if parts[1] == "errors" else "component": parts[2]}
     return _name(key), {}
 
 

@@ -23,11 +23,16 @@ from controller.loggers import MetricLogger, numeric
 from controller.prometheus import PrometheusExporter
 from controller.staleness import LAG_BINS, StalenessStats
 from rollout.records import Group
+from rollout.rewards import FAILURES
 
 
-REASONS = ("correct", "wrong", "no_answer", "too_long", "not_literal", "computation", "too_large", "timeout", "error")
-"""Reward verdicts (rollout.rewards.RewardResult.reason); each step reports every one's share (a
-gauge that is not rewritten would keep its last value)."""
+REASONS = (
+    "correct", "wrong", "no_answer", "too_long", "not_literal", "computation", "too_large", "verify_timeout", "verify_error", "scored",
+    *FAILURES,
+)
+"""Reward verdicts (rollout.rewards.RewardResult.reason); each step reports every one's share of
+its trained samples (a gauge that is not rewritten would keep its last value), and the failures'
+counts over every group that arrived (reward/errors/<reason>)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,11 @@ class StepReport:
 
 
 class Telemetry:
-    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, total_steps: int, clock, loggers: list[MetricLogger] = ()):
-        """``loggers``: TensorBoard / W&B / MLflow copies (controller/loggers.py); metrics.jsonl is always written."""
+    def __init__(
+        self, run_dir: str | Path, cfg: MetricsConfig, total_steps: int, clock, loggers: list[MetricLogger] = (), reward: str = "reward",
+    ):
+        """``loggers``: TensorBoard / W&B / MLflow copies (controller/loggers.py); metrics.jsonl is always written.
+        ``reward``: the reward's name in messages (rollout.reward's ``label``)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = (self.run_dir / "metrics.jsonl").open("a")
@@ -77,6 +85,11 @@ class Telemetry:
         self.loggers = list(loggers)
         self._startup: dict[str, float] = {}
         self._startup_written = False
+        self.reward = reward
+        self._reward_errors = dict.fromkeys(FAILURES, 0)
+        self._components: dict[str, list[float]] = {}
+        self._scoring_seconds = 0.0
+        self._reward_error_shown = False
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -98,8 +111,21 @@ class Telemetry:
         self._rollouts.flush()
 
     def group(self, g: Group) -> None:
+        """A training group arrived (trained later, filtered or failed): tokens, the reward's time,
+        components and failures; the first failed sample of the run is printed and written once."""
         self._group_tokens += g.tokens
         self._groups += 1
+        self._scoring_seconds += g.scoring_seconds
+        for s in g.samples:
+            for name, value in s.reward.components.items():
+                self._components.setdefault(name, []).append(value)
+        for r in g.reward_errors:
+            self._reward_errors[r.reason] = self._reward_errors.get(r.reason, 0) + 1
+        if g.reward_errors and not self._reward_error_shown:
+            self._reward_error_shown = True
+            first = g.reward_errors[0]
+            print(f"drpo train: reward {self.reward}: first sample it could not score ({first.reason}): {first.detail}", file=sys.stderr, flush=True)
+            self._write({"kind": "reward_error", "time": self.clock(), "reward": self.reward, "reason": first.reason, "error": first.detail})
 
     def step(self, r: StepReport) -> None:
         now = self.clock()
@@ -110,6 +136,9 @@ class Telemetry:
             "reward/mean": sum(rewards) / max(1, len(rewards)),
             "reward/accuracy": sum(x >= 1.0 for x in r.scores) / max(1, len(r.scores)),
             **{f"reward/reason/{why}": r.reasons.count(why) / max(1, len(r.reasons)) for why in REASONS},
+            **{f"reward/errors/{why}": n for why, n in self._reward_errors.items()},
+            **{f"reward/component/{name}": sum(v) / len(v) for name, v in self._components.items() if v},
+            "reward/scoring_seconds": self._scoring_seconds,
             **({"rollout/response_tokens_mean": sum(r.response_tokens) / len(r.response_tokens), "rollout/response_tokens_max":
                 max(r.response_tokens), "rollout/truncated_frac": sum(r.truncated) / len(r.truncated)} if r.response_tokens else {}),
             "learner/tokens": result.tokens, "learner/seconds": result.seconds,
@@ -131,6 +160,8 @@ class Telemetry:
             **result.metrics,
         }
         self._since, self._group_tokens, self._groups = now, 0, 0
+        self._reward_errors, self._scoring_seconds = dict.fromkeys(self._reward_errors, 0), 0.0
+        self._components = {name: [] for name in self._components}
         self.steps.append(record)
         self._publish(record)
         for logger in self.loggers:

@@ -69,6 +69,10 @@ DASHBOARDS = {
         ("reward and accuracy", [
             ("drpo_reward_mean", "train reward"), ("drpo_reward_accuracy_ratio", "train accuracy"), ("drpo_eval_accuracy_ratio", "eval accuracy (first set)"),
         ], "percentunit"),
+        ("reward components (mean over the step's samples)", [("drpo_reward_component", "{{component}}")], "none"),
+        ("reward: samples it could not score, and its seconds", [
+            ("drpo_reward_errors", "{{reason}}"), ("drpo_reward_scoring_seconds", "scoring seconds"),
+        ], "none"),
         ("eval sets: mean@k and pass@k", [
             ("drpo_eval_mean_at_k_ratio", "{{set}} mean@k"), ("drpo_eval_pass_at_k_ratio", "{{set}} pass@{{k}}"),
         ], "percentunit"),

@@ -3,7 +3,7 @@ Imports neither torch, Ray nor an engine; the run config (controller/config.py) 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,12 +52,30 @@ class WordProblemTask(Section):
 DatasetFormat = Literal["auto", "dapo", "gsm8k", "math", "aime"]
 
 
-class DatasetTask(Section):
-    """A math dataset (jsonl or parquet) in DAPO-Math, GSM8K, MATH or AIME rows (rollout/tasks.py);
-    bad rows skipped and reported."""
+class _Rows(Section):
+    """Where a dataset row's prompt, answer and system message are (rollout/tasks.py load_dataset)."""
+
+    prompt_field: str | None = Field(
+        None, min_length=1, description="The column holding the prompt: text, or a list of chat messages {role: system|user|"
+        "assistant, content} ending with a user turn. None: the first of prompt, problem, question.",
+    )
+    answer_field: str | None = Field(
+        None, min_length=1, description="The column holding the ground truth. None: the format's (answer, solution, "
+        "reward_model.ground_truth...). The built-in rewards skip rows without one; a reward of one's own gets None.",
+    )
+    system_prompt: str | None = Field(
+        None, description="A system message for every prompt; a row's own 'system' column, or a system message in its chat "
+        "prompt, takes its place. None: the chat template's default.",
+    )
+
+
+class DatasetTask(_Rows):
+    """A dataset of one's own (jsonl, parquet, or a folder saved by datasets' save_to_disk): prompts as
+    text or chat messages, every other column passed to the reward; the DAPO-Math, GSM8K, MATH and
+    AIME row formats are read as they are (rollout/tasks.py). Bad rows skipped and reported."""
 
     type: Literal["dataset"] = "dataset"
-    train_path: str = Field(description="Training rows (.jsonl or .parquet).")
+    train_path: str = Field(description="Training rows (.jsonl, .parquet, or a save_to_disk folder).")
     test_path: str | None = Field(None, description="Rows of the heldout eval set; None: no task eval set.")
     format: DatasetFormat = Field(
         "auto", description="Row format: gsm8k (question, answer ending '#### N'), math (problem, solution with \\boxed{}), "
@@ -76,8 +94,8 @@ class DatasetTask(Section):
 TaskConfig = Annotated[Union[ArithmeticTask, WordProblemTask, DatasetTask], Field(discriminator="type")]
 
 
-class EvalSetFile(Section):
-    """One more eval set from a dataset file (the same row formats as task.type=dataset)."""
+class EvalSetFile(_Rows):
+    """One more eval set from a dataset file (the same row formats and fields as task.type=dataset)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", description="Its name in metrics (eval/<name>/...).")
     path: str = Field(description="Rows (.jsonl or .parquet).")
@@ -142,6 +160,107 @@ class ScoringConfig(Section):
     )
 
 
+class _RewardBase(Section):
+    """What every reward does with a sample it cannot score (rollout/reward_functions.py)."""
+
+    on_error: Literal["zero", "drop_group"] = Field(
+        "zero", description="A sample the reward cannot score (it raised, timed out, gave a non-finite or out-of-range score, "
+        "or its service was unreachable): zero scores it 0 and trains on the rest of its group; drop_group fails the whole "
+        "group (not trained on, counted like any failed group). Either way a group whose every sample failed fails, so a "
+        "broken reward stops the run after train.max_failures_in_a_row groups, naming its first error.",
+    )
+    score_range: tuple[float, float] | None = Field(
+        None, description="[low, high]: a score outside it is a failed sample (reason invalid); None: any finite score.",
+    )
+
+    @property
+    def label(self) -> str:
+        """How messages name this reward."""
+        return self.type
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "_RewardBase":
+        if self.score_range is not None and not self.score_range[0] <= self.score_range[1]:
+            raise ValueError(f"score_range {list(self.score_range)} must be [low, high] with low <= high")
+        return self
+
+
+class LiteralRewardConfig(_RewardBase):
+    """The answer must be a literal number equal to the ground truth."""
+
+    type: Literal["literal"] = "literal"
+
+
+class MathVerifyRewardConfig(_RewardBase):
+    """math-verify equivalence (closed forms like \\frac{1}{2} or 2\\sqrt{2} count; computations such as 7*27 are refused)."""
+
+    type: Literal["math_verify"] = "math_verify"
+
+
+class PythonRewardConfig(_RewardBase):
+    """A reward function of one's own, by import path, called in the rollout worker's process."""
+
+    type: Literal["python"] = "python"
+    function: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:name' on the rollout workers' Python path: "
+        "a callable taking a RewardInput (or a list of them with batch: true) and the kwargs, returning a float, a dict "
+        "{score, components} or a RewardResult (rollout/rewards.py).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments every call gets.")
+    batch: bool = Field(False, description="Call it once per group with the group's samples (a list), returning one score each.")
+
+    @property
+    def label(self) -> str:
+        return self.function
+
+
+class HttpRewardConfig(_RewardBase):
+    """A reward service: each group's samples are POSTed as JSON to ``url``, which answers with one
+    score each (the schema is in README, "Train on your own task")."""
+
+    type: Literal["http"] = "http"
+    url: str = Field(pattern=r"^https?://", description="The service's scoring endpoint.")
+    timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description="Seconds per request; past it the attempt fails.")
+    retries: int = Field(2, ge=0, le=10, description="More attempts after a failed one (connection refused, timeout, HTTP 5xx).")
+    max_concurrency: int = Field(8, ge=1, le=256, description="Requests in flight at once from one rollout worker.")
+
+    @property
+    def label(self) -> str:
+        return self.url
+
+
+class JudgeRewardConfig(_RewardBase):
+    """An LLM judge behind an OpenAI-compatible chat-completions endpoint (vLLM's ``vllm serve``,
+    SGLang's server, a hosted API): the template filled with the sample is the judge's user message,
+    and its reply is parsed into a score."""
+
+    type: Literal["judge"] = "judge"
+    base_url: str = Field(pattern=r"^https?://", description="The server's OpenAI API root, e.g. http://127.0.0.1:8000/v1.")
+    model: str = Field(min_length=1, description="The model name the server serves.")
+    prompt_template: str = Field(
+        "Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+        "Is the response's final answer correct? Reply with YES or NO.",
+        description="The judge's user message; {prompt}, {response}, {ground_truth} and any dataset column by name are filled in.",
+    )
+    parse: Literal["yes_no", "number"] = Field(
+        "yes_no", description="yes_no: 1.0 when the reply's first word is yes, 0.0 when no; number: the first number in the "
+        "reply (a reply without one is a failed sample, reason invalid).",
+    )
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key sent as a bearer token; None: none.")
+    max_tokens: int = Field(16, ge=1, description="The judge's reply length limit.")
+    timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Seconds per request; past it the attempt fails.")
+    retries: int = Field(2, ge=0, le=10, description="More attempts after a failed one.")
+    max_concurrency: int = Field(8, ge=1, le=256, description="Requests in flight at once from one rollout worker.")
+
+    @property
+    def label(self) -> str:
+        return f"judge {self.model} at {self.base_url}"
+
+
+RewardConfig = Annotated[Union[LiteralRewardConfig, MathVerifyRewardConfig, PythonRewardConfig, HttpRewardConfig, JudgeRewardConfig], Field(discriminator="type")]
+REWARD_TYPES = ("literal", "math_verify", "python", "http", "judge")
+
+
 ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
 """The package each engine other than hf needs installed where its workers run."""
 
@@ -176,10 +295,22 @@ class RolloutConfig(Section):
     max_batch_prompts: int = Field(
         8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
     )
-    reward: Literal["literal", "math_verify"] = Field(
-        "literal", description="literal: the answer must be a number equal to the ground truth; math_verify: math-verify "
-        "equivalence (closed forms like \\frac{1}{2} or 2\\sqrt{2} count; computations such as 7*27 are refused).",
+    reward: RewardConfig = Field(
+        default_factory=LiteralRewardConfig, description="The reward, by type: literal (the answer must be a number equal to the "
+        "ground truth), math_verify (math-verify equivalence), python (a function of one's own by import path), http (a "
+        "reward service), judge (an LLM judge on an OpenAI-compatible server). A bare name ('literal', 'math_verify') "
+        "is that built-in.",
     )
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _bare_name(cls, value):
+        if isinstance(value, str):
+            if value not in REWARD_TYPES:
+                raise ValueError(f"unknown reward {value!r}; expected one of {', '.join(REWARD_TYPES)} (python, http and judge need more keys)")
+            return {"type": value}
+        return value
+
     scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="Answer marker, verifier time bound, over-long shaping.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")

@@ -220,9 +220,11 @@ class Engine(ABC):
         if not processes:
             self._chaos_dead = True
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        """Token ids of a one-turn chat prompt with the generation prompt appended."""
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True)
+    def chat_prompt(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a chat prompt (one user message, or a list of chat messages) with the
+        generation prompt appended."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @staticmethod

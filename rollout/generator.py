@@ -164,7 +164,7 @@ class Generator:
     def _prompt_ids(self, problem: Problem) -> list[int]:
         if not problem.prompt.strip():
             raise ValueError("empty prompt")
-        ids = self.engine.chat_prompt(problem.prompt)
+        ids = self.engine.chat_prompt(problem.chat_messages())
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}")
         return ids

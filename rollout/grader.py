@@ -1,14 +1,19 @@
 """Grading a rollout: checking an engine's completions and scoring them into a ``Group``.
 
 A completion the engine got wrong (lengths that disagree, a non-finite mu, missing top-K) fails its
-group with the reason; otherwise each response is decoded, scored by the reward (a reward that
-raises scores 0 with reason ``error``), and given the over-long shaping of ``rollout.scoring``.
-Testable without Ray or an engine: it needs the tokenizer's ``decode`` only.
+group with the reason; otherwise each response is decoded and the group's samples are scored by
+the reward (rollout/reward_functions.py: every kind behind one ``score``), then given the over-long
+shaping of ``rollout.scoring``. A sample the reward could not score (it raised, timed out, answered
+no usable score, its service was unreachable) scores 0 (``on_error: zero``) or fails its group
+(``drop_group``); a group whose every sample failed fails either way, with the reward's name and
+first error, so a broken reward stops the run (train.max_failures_in_a_row) instead of training on
+zeros. Testable without Ray or an engine: it needs the tokenizer's ``decode`` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import torch
@@ -17,17 +22,9 @@ from rollout.chaos import Chaos
 from rollout.config import RolloutConfig, ScoringConfig
 from rollout.engine import Completion
 from rollout.records import Group, Sample, Ticket
-from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardResult, overlong_shaping
+from rollout.reward_functions import Reward, build_reward, failure
+from rollout.rewards import RewardInput, RewardResult, overlong_shaping
 from rollout.tasks import Problem
-
-
-def make_reward(name: str, scoring: ScoringConfig):
-    """The reward function ``rollout.reward`` names, as ``rollout.scoring`` configures it."""
-    if name == "literal":
-        return LiteralNumberReward(scoring.require_marker)
-    if name == "math_verify":
-        return MathVerifyReward(scoring.verify_timeout_s, scoring.require_marker)
-    raise ValueError(f"unknown reward {name!r}; expected 'literal' or 'math_verify'")
 
 
 def completion_problem(c: Completion, topk: int) -> str | None:
@@ -51,8 +48,8 @@ def completion_problem(c: Completion, topk: int) -> str | None:
 class Grader:
     """Scores completions into groups with one reward and one ``rollout.scoring``."""
 
-    def __init__(self, reward: Callable[[str, str], RewardResult], scoring: ScoringConfig, max_new_tokens: int, worker_id: int, chaos: Chaos):
-        """Use ``build``; ``reward(text, ground_truth)`` is the reward function."""
+    def __init__(self, reward: Reward, scoring: ScoringConfig, max_new_tokens: int, worker_id: int, chaos: Chaos):
+        """Use ``build``."""
         self.reward, self.scoring = reward, scoring
         self.max_new_tokens, self.worker_id = max_new_tokens, worker_id
         self.chaos = chaos
@@ -62,7 +59,7 @@ class Grader:
         """Worker ``worker_id``'s grader: ``config.reward`` scored as ``config.scoring`` says, over-long
         shaping against ``config.max_new_tokens``; ``chaos``: the worker's fault injection (none by default)."""
         RolloutConfig.expect(config, "Grader")
-        return cls(make_reward(config.reward, config.scoring), config.scoring, config.max_new_tokens, worker_id,
+        return cls(build_reward(config.reward, config.scoring), config.scoring, config.max_new_tokens, worker_id,
                    chaos or Chaos.build(None, worker_id=worker_id))
 
     def grade(
@@ -77,8 +74,23 @@ class Grader:
         if not any(len(c.response_ids) for c in completions):
             return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
         texts = [decode(c.response_ids) for c in completions]
-        samples = tuple(Sample(c, t, self._shaped(c, self._score(t, problem.ground_truth))) for c, t in zip(completions, texts))
-        return Group(ticket, self.worker_id, samples, version, seconds)
+        started = time.perf_counter()
+        results = self._score([reward_input(problem, c, t) for c, t in zip(completions, texts)])
+        scoring = time.perf_counter() - started
+        failed = [r for r in results if r.failed]
+        if failed and (len(failed) == len(results) or self.reward.config.on_error == "drop_group"):
+            every = "every sample" if len(failed) == len(results) else f"{len(failed)} of {len(results)} samples"
+            error = f"reward {self.reward.name} failed on {every} ({failed[0].reason}): {failed[0].detail}"
+            return Group(ticket, self.worker_id, (), version, seconds + scoring, error=error, reward_failures=tuple(failed))
+        samples = tuple(Sample(c, t, self._shaped(c, r)) for c, t, r in zip(completions, texts, results))
+        return Group(ticket, self.worker_id, samples, version, seconds + scoring, scoring_seconds=scoring)
+
+    def _score(self, inputs: list[RewardInput]) -> list[RewardResult]:
+        """The reward's results, with chaos's injected failures in place of the samples it picks."""
+        injected = [self.chaos.reward_fails() for _ in inputs]
+        kept = [x for x, bad in zip(inputs, injected) if not bad]
+        scored = iter(self.reward.score(kept) if kept else [])
+        return [failure("error", "RuntimeError: chaos: injected reward failure") if bad else next(scored) for bad in injected]
 
     def _shaped(self, c: Completion, result: RewardResult) -> RewardResult:
         """The over-long shaping added to a verdict (training groups and evaluation alike; evaluation reads correctness only)."""
@@ -88,15 +100,14 @@ class Grader:
         )
         return dataclasses.replace(result, shaping=shaping) if shaping else result
 
-    def _score(self, text: str, truth: str) -> RewardResult:
-        try:
-            if self.chaos.reward_fails():
-                raise RuntimeError("chaos: injected reward failure")
-            return self.reward(text, truth)
-        except Exception as err:
-            return RewardResult(0.0, None, "error", detail=type(err).__name__)
-
     def close(self) -> None:
-        close = getattr(self.reward, "close", None)
-        if close is not None:
-            close()
+        self.reward.close()
+
+
+def reward_input(problem: Problem, completion: Completion, text: str) -> RewardInput:
+    """One sample as the reward sees it."""
+    return RewardInput(
+        problem_id=problem.id, prompt=problem.prompt, messages=tuple(problem.chat_messages()), response=text,
+        response_ids=tuple(int(i) for i in completion.response_ids), finish_reason=completion.finish_reason,
+        ground_truth=problem.ground_truth, metadata=dict(problem.metadata),
+    )

@@ -81,14 +81,23 @@ class Group:
     """Generation and scoring time, the share of one engine call that fell to this group."""
     error: str | None = None
     """Why the group failed (bad prompt, engine or reward failure, bad engine output); None if it did not."""
+    scoring_seconds: float = 0.0
+    """Of ``seconds``, the time the reward took."""
+    reward_failures: tuple[RewardResult, ...] = ()
+    """A group failed by its reward: the failed samples' results (their reasons are counted)."""
 
     def __post_init__(self) -> None:
         if self.error is None and not self.samples:
             raise ValueError(f"group {self.ticket} has neither samples nor an error")
 
     @property
+    def reward_errors(self) -> tuple[RewardResult, ...]:
+        """Every sample the reward could not score: those scored 0 in its samples, or those that failed the group."""
+        return self.reward_failures or tuple(s.reward for s in self.samples if s.reward.failed)
+
+    @property
     def scores(self) -> tuple[float, ...]:
-        """Correctness per sample (1.0 or 0.0): accuracy and evaluation."""
+        """The reward's score per sample (the built-ins: correctness, 1.0 or 0.0): accuracy and evaluation."""
         return tuple(s.reward.score for s in self.samples)
 
     @property

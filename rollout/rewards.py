@@ -1,7 +1,11 @@
-"""Verifiable rewards: the reward-function interface and the two comparisons a run can choose.
+"""Rewards: the reward-function interface and the two built-in comparisons.
 
-A reward function maps (completion text, ground truth) to a ``RewardResult``; it never raises on
-model output (garbage scores 0 with a reason) and never takes longer than its time bound. The
+A reward function maps a ``RewardInput`` (one sample: its prompt as text and chat messages, the
+response as text and token ids, the finish reason, the ground truth and the dataset row's other
+columns) to a ``RewardResult`` (or, for one's own functions, a float or a dict that
+rollout/reward_functions.py turns into one). The two built-ins compare the response's answer
+with the ground truth; they never raise on model output (garbage scores 0 with a reason) and
+never take longer than their time bound. The
 answer is extracted by rollout/answers.py: a final-answer marker first ("####", "The answer is",
 ``\\boxed{}``), then the last number (``require_marker`` turns that fallback off).
 
@@ -23,31 +27,68 @@ import multiprocessing as mp
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from rollout.answers import extract, is_computation, is_literal, is_too_large
 
 
 @dataclass(frozen=True)
+class RewardInput:
+    """One sample as a reward function sees it."""
+
+    problem_id: str
+    prompt: str
+    """The prompt's text: the last user message (chat rows) or the prompt string, instruction included."""
+    messages: tuple[dict[str, Any], ...]
+    """The chat messages the prompt was rendered from (a per-row system message first, when there is one)."""
+    response: str
+    """The response decoded (special tokens skipped)."""
+    response_ids: tuple[int, ...]
+    finish_reason: str
+    """stop (the model ended it) or length (cut at rollout.max_new_tokens)."""
+    ground_truth: str | None
+    """The row's answer (None for rows without one, which a reward of one's own may not need)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Every other column of the dataset row, unchanged (test cases, a rubric, a difficulty...)."""
+
+
+@dataclass(frozen=True)
 class RewardResult:
     score: float
-    """1.0 for a correct answer, else 0.0."""
-    extracted: str | None
+    """The reward: for the built-ins 1.0 for a correct answer, else 0.0. Accuracy and pass@k count a
+    sample correct when its score is >= 1."""
+    extracted: str | None = None
     """The answer taken from the completion, or None."""
-    reason: str
-    """correct | wrong | no_answer | too_long | not_literal | computation | too_large | timeout | error"""
+    reason: str = "scored"
+    """correct | wrong | no_answer | too_long | not_literal | computation | too_large | verify_timeout |
+    verify_error (the built-ins' verdicts on an answer); scored (a reward of one's own gave a score); the failures (FAILURES): error | timeout |
+    invalid | unreachable."""
     marker: str | None = None
     """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
     shaping: float = 0.0
     """Added to ``score`` for training (over-long shaping: <= 0); correctness stays ``score``."""
     detail: str | None = None
-    """What more there is to say about ``reason``: for ``error``, the exception's type."""
+    """What more there is to say about ``reason``: for a failure, the error."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts of the score a reward reports (e.g. format, correct), logged as reward/component/<name>."""
+
+    @property
+    def failed(self) -> bool:
+        """The reward could not score this sample (it scores 0 or fails its group: rollout.reward.on_error)."""
+        return self.reason in FAILURES
 
     @property
     def value(self) -> float:
         """The reward trained on: correctness plus shaping."""
         return self.score + self.shaping
+
+
+FAILURES = ("error", "timeout", "invalid", "unreachable")
+"""Reasons a sample could not be scored: the reward raised (error), took longer than its bound
+(timeout), answered something that is not a usable score (invalid), or its service could not be
+reached (unreachable)."""
 
 
 def literal_value(answer: str) -> Fraction:
@@ -91,20 +132,25 @@ class LiteralNumberReward:
     def __init__(self, require_marker: bool = False):
         self.require_marker = require_marker
 
-    def __call__(self, completion: str, ground_truth: str) -> RewardResult:
+    def __call__(self, sample: RewardInput) -> RewardResult:
+        return self.compare(sample.response, sample.ground_truth)
+
+    def compare(self, completion: str, ground_truth: str | None) -> RewardResult:
+        if ground_truth is None:
+            raise ValueError("the literal reward needs a ground truth, and this row has none")
         answer, marker, rejected = _answer_or_rejection(completion, self.require_marker, literal_only=True)
         if rejected is not None:
             return rejected
         try:
             correct = literal_value(answer) == literal_value(ground_truth)
         except (ValueError, ZeroDivisionError):
-            return RewardResult(0.0, answer, "error", marker)
+            return RewardResult(0.0, answer, "verify_error", marker)
         return RewardResult(1.0 if correct else 0.0, answer, "correct" if correct else "wrong", marker)
 
 
 VERIFY_MEMORY_BYTES = 4 * 2**30
 """The math-verify process's address space (RLIMIT_AS): a comparison that would exceed it fails
-(MemoryError: reason "error") instead of taking the node's memory."""
+(MemoryError: reason "verify_error") instead of taking the node's memory."""
 
 
 def _bound_this_process(memory_bytes: int) -> None:
@@ -158,7 +204,7 @@ class MathVerifyReward:
     computation is refused before math-verify sees it.
 
     Thread-safe (one call at a time through a lock); a call that exceeds ``timeout_s`` kills the
-    verifier process, scores 0 with reason "timeout", and the next call starts a fresh one.
+    verifier process, scores 0 with reason "verify_timeout", and the next call starts a fresh one.
     """
 
     def __init__(self, timeout_s: float = 5.0, require_marker: bool = False):
@@ -184,7 +230,12 @@ class MathVerifyReward:
         with self._lock:
             self._kill()
 
-    def __call__(self, completion: str, ground_truth: str) -> RewardResult:
+    def __call__(self, sample: RewardInput) -> RewardResult:
+        return self.compare(sample.response, sample.ground_truth)
+
+    def compare(self, completion: str, ground_truth: str | None) -> RewardResult:
+        if ground_truth is None:
+            raise ValueError("the math_verify reward needs a ground truth, and this row has none")
         answer, marker, rejected = _answer_or_rejection(completion, self.require_marker, literal_only=False)
         if rejected is not None:
             return rejected
@@ -194,10 +245,10 @@ class MathVerifyReward:
             self._conn.send((_delimited(str(ground_truth)), _delimited(answer)))
             if not self._conn.poll(self.timeout_s):
                 self._kill()
-                return RewardResult(0.0, answer, "timeout", marker)
+                return RewardResult(0.0, answer, "verify_timeout", marker)
             status, value = self._conn.recv()
         if status != "ok":
-            return RewardResult(0.0, answer, "error", marker)
+            return RewardResult(0.0, answer, "verify_error", marker)
         return RewardResult(1.0 if value else 0.0, answer, "correct" if value else "wrong", marker)
 
 

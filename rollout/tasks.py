@@ -26,7 +26,18 @@ ARITHMETIC_INSTRUCTION = "Reply with only the number."
 class Problem:
     id: str
     prompt: str
-    ground_truth: str
+    """The prompt's text: the user message (the last one, for chat rows), instruction included."""
+    ground_truth: str | None
+    """The answer a built-in reward compares with (None: a row without one, for a reward of one's own)."""
+    messages: tuple[dict, ...] = ()
+    """Chat rows: the messages the prompt is rendered from (a system message first when the row or
+    the task gives one); empty: one user message holding ``prompt``."""
+    metadata: dict = field(default_factory=dict, hash=False, compare=False)
+    """The dataset row's other columns, passed to the reward unchanged."""
+
+    def chat_messages(self) -> list[dict]:
+        """What the chat template renders."""
+        return [dict(m) for m in self.messages] if self.messages else [{"role": "user", "content": self.prompt}]
 
 
 _TEMPLATES = {
@@ -133,14 +144,28 @@ def row_format(row: dict) -> str:
     return "dapo"  # prompt + answer / ground_truth / solution: the generic form the dapo reader takes
 
 
-def _row_prompt(row: dict) -> str:
-    prompt = row.get("prompt", row.get("problem", row.get("question")))
+PROMPT_FIELDS = ("prompt", "problem", "question")
+"""Where a row's prompt is looked for when no prompt field is named, in this order."""
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _row_prompt(row: dict, field: str | None = None) -> tuple[str, str, tuple[dict, ...]]:
+    """(the column it came from, the prompt's text, its chat messages or () for a plain string).
+    A chat prompt is a list of {role, content} messages (system/user/assistant) ending with a user turn."""
+    key = field if field is not None else next((k for k in PROMPT_FIELDS if k in row), PROMPT_FIELDS[0])
+    prompt = row.get(key)
     if isinstance(prompt, list):  # chat form: [{"role": "user", "content": ...}, ...]
-        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        prompt = users[-1] if users else None
+        for i, m in enumerate(prompt):
+            if not (isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)):
+                raise ValueError(f"{key!r} message {i} is not a {{role: system|user|assistant, content: text}} message: {str(m)[:80]}")
+        if not prompt or prompt[-1]["role"] != "user" or not prompt[-1]["content"].strip():
+            raise ValueError(f"{key!r} messages must end with a non-empty user message")
+        return key, prompt[-1]["content"], tuple({"role": m["role"], "content": m["content"]} for m in prompt)
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("no prompt (expected a non-empty 'prompt', 'problem' or 'question')")
-    return prompt
+        names = repr(field) if field is not None else "'prompt', 'problem' or 'question'"
+        raise ValueError(f"no prompt (expected a non-empty {names}: text or a list of chat messages)")
+    return key, prompt, ()
 
 
 def _row_answer(row: dict, fmt: str, auto: bool = False) -> str:
@@ -187,6 +212,36 @@ def _row_answer(row: dict, fmt: str, auto: bool = False) -> str:
     return str(answer).strip()
 
 
+def _row_problem(
+    row: dict, default_id: str, fmt: str, instruction: str | None, prompt_field: str | None, answer_field: str | None,
+    system_prompt: str | None, require_answer: bool,
+) -> Problem:
+    kind = row_format(row) if fmt == "auto" else fmt
+    key, prompt, messages = _row_prompt(row, prompt_field)
+    suffix = INSTRUCTIONS[kind] if instruction is None else instruction
+    prompt = f"{prompt.rstrip()} {suffix}" if suffix else prompt
+    system = row.get("system") if isinstance(row.get("system"), str) and row["system"].strip() else system_prompt
+    if messages or system:
+        messages = messages or ({"role": "user", "content": prompt},)
+        messages = (*messages[:-1], {"role": "user", "content": prompt})  # the last user turn, instruction included
+        if system and messages[0]["role"] != "system":
+            messages = ({"role": "system", "content": system}, *messages)
+    if answer_field is not None:
+        answer = row.get(answer_field)
+        truth = None if answer is None or (isinstance(answer, str) and not answer.strip()) else str(answer).strip()
+        if truth is None and require_answer:
+            raise ValueError(f"no ground truth in {answer_field!r}")
+    else:
+        try:
+            truth = _row_answer(row, kind, auto=fmt == "auto")
+        except ValueError:
+            if require_answer:
+                raise
+            truth = None
+    metadata = {k: v for k, v in row.items() if k not in (key, "system", answer_field)}
+    return Problem(str(row.get("id", default_id)), prompt, truth, tuple(messages), metadata)
+
+
 def _worked(answer: str) -> bool:
     """An answer field that is a worked solution, not a ground truth: several lines, GSM8K's
     ``<<a+b=c>>`` calculator notes, or several sentences (a closed form such as "3 \\sqrt{2}", "x = 1 or
@@ -195,6 +250,9 @@ def _worked(answer: str) -> bool:
 
 
 def _rows(path: Path):
+    if path.is_dir():
+        yield from enumerate(_saved_dataset_rows(path), start=1)
+        return
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -217,16 +275,42 @@ def _rows(path: Path):
                 yield number, err
 
 
-def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFormat = "auto", instruction: str | None = None) -> LoadReport:
-    """Load a jsonl or parquet math dataset in ``fmt`` (auto: each row's own, ``row_format``), with
-    ``instruction`` appended to every prompt (None: the format's INSTRUCTIONS entry; "": none). Bad
-    rows (unparseable, no prompt, no ground truth, over-long prompt) are skipped and reported by
-    1-based row number; nothing raises for them. An empty result raises, naming the file and the
-    first reasons."""
+def _saved_dataset_rows(folder: Path) -> list:
+    """The rows of a Hugging Face ``datasets`` folder written by ``Dataset.save_to_disk`` (its Arrow
+    files, read with pyarrow: the ``datasets`` package is not needed)."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise FileNotFoundError(f"dataset {folder} holds several splits ({', '.join(splits)}); give one split's folder, e.g. {folder / (splits or ['train'])[0]}")
+    if not (folder / "state.json").is_file():
+        raise FileNotFoundError(f"dataset {folder} is a folder but not one saved by datasets' save_to_disk (no state.json); give a .jsonl or .parquet file")
+    import pyarrow as pa
+
+    state = json.loads((folder / "state.json").read_text())
+    rows = []
+    for entry in state.get("_data_files", []):
+        with pa.memory_map(str(folder / entry["filename"])) as source:
+            rows.extend(pa.ipc.open_stream(source).read_all().to_pylist())
+    return rows
+
+
+def load_dataset(
+    path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFormat = "auto", instruction: str | None = None, *,
+    prompt_field: str | None = None, answer_field: str | None = None, system_prompt: str | None = None, require_answer: bool = True,
+) -> LoadReport:
+    """Load a jsonl or parquet dataset, or a folder saved by ``datasets``' ``save_to_disk``, in ``fmt``
+    (auto: each row's own, ``row_format``), with ``instruction`` appended to every prompt (None: the
+    format's INSTRUCTIONS entry; "": none).
+
+    The prompt is ``prompt_field`` (None: the first of PROMPT_FIELDS) as text or a list of chat
+    messages; a row's ``system`` column, else ``system_prompt``, becomes a system message unless the
+    messages hold one. The ground truth is ``answer_field`` when named (else the format's); a row
+    without one is skipped when ``require_answer`` (the built-in rewards compare with it), else
+    gets None. Every other column (all but the prompt's, ``system`` and a named ``answer_field``)
+    is the problem's ``metadata``, passed to the reward unchanged. Bad rows (unparseable, no
+    prompt, no ground truth, over-long prompt) are skipped and reported by 1-based row number;
+    nothing raises for them. An empty result raises, naming the file and the first reasons."""
     path = Path(path)
-    if path.is_dir():
-        raise FileNotFoundError(f"dataset {path} is a folder; give the .jsonl or .parquet file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"dataset {path} does not exist")
     problems, skipped = [], []
     for number, row in _rows(path):
@@ -235,13 +319,10 @@ def load_dataset(path: str | Path, max_prompt_chars: int = 8192, fmt: DatasetFor
                 raise ValueError(f"not JSON: {row}" if isinstance(row, json.JSONDecodeError) else str(row))
             if not isinstance(row, dict):
                 raise ValueError("not an object")
-            kind = row_format(row) if fmt == "auto" else fmt
-            prompt = _row_prompt(row)
-            suffix = INSTRUCTIONS[kind] if instruction is None else instruction
-            prompt = f"{prompt.rstrip()} {suffix}" if suffix else prompt
-            if len(prompt) > max_prompt_chars:
-                raise ValueError(f"prompt has {len(prompt)} characters, more than {max_prompt_chars}")
-            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), prompt, _row_answer(row, kind, auto=fmt == "auto")))
+            problems.append(_row_problem(row, f"{path.stem}-{number}", fmt, instruction, prompt_field, answer_field, system_prompt, require_answer))
+            if len(problems[-1].prompt) > max_prompt_chars:
+                problems.pop()
+                raise ValueError(f"prompt has more than {max_prompt_chars} characters")
         except ValueError as err:
             skipped.append((number, str(err)))
     if not problems:

@@ -70,27 +70,27 @@ LITERAL = [
 
 @pytest.mark.parametrize("text,truth,reason", LITERAL)
 def test_the_literal_reward(text, truth, reason):
-    result = LiteralNumberReward()(text, truth)
+    result = LiteralNumberReward().compare(text, truth)
     assert result.reason == reason and result.score == (1.0 if reason == "correct" else 0.0)
 
 
 def test_math_verify_scores_closed_forms_refuses_computations_and_stays_bounded():
     reward = MathVerifyReward(timeout_s=60.0)
     try:
-        assert reward("The answer is $\\frac{1}{2}$.", "0.5").reason == "correct"
-        assert reward("The answer is \\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}").reason == "correct"
-        assert reward("So \\boxed{2\\sqrt{2}}", "\\sqrt{8}").reason == "correct"  # literal mode would refuse this
-        assert reward("The answer is 3.", "\\frac{1}{2}").reason == "wrong"
-        assert reward("\\boxed{7 * 27}", "189").reason == "computation"  # math-verify would evaluate it to 189
-        assert reward("#### 13", "13").marker == "####"
+        assert reward.compare("The answer is $\\frac{1}{2}$.", "0.5").reason == "correct"
+        assert reward.compare("The answer is \\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}").reason == "correct"
+        assert reward.compare("So \\boxed{2\\sqrt{2}}", "\\sqrt{8}").reason == "correct"  # literal mode would refuse this
+        assert reward.compare("The answer is 3.", "\\frac{1}{2}").reason == "wrong"
+        assert reward.compare("\\boxed{7 * 27}", "189").reason == "computation"  # math-verify would evaluate it to 189
+        assert reward.compare("#### 13", "13").marker == "####"
         started = time.perf_counter()
         megabyte = "x" * 1_000_000 + " The answer is 12."
-        assert reward(megabyte, "12").score == 1.0 and len(megabyte) > 60 * TAIL_CHARS
+        assert reward.compare(megabyte, "12").score == 1.0 and len(megabyte) > 60 * TAIL_CHARS
         assert time.perf_counter() - started < 10
         reward.timeout_s = 0.0  # no time at all: the verifier is killed and the call still returns
-        assert any(reward("\\boxed{3}", "3").reason == "timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
+        assert any(reward.compare("\\boxed{3}", "3").reason == "verify_timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
         reward.timeout_s = 60.0
-        assert reward("\\boxed{3}", "3").reason == "correct"  # a fresh verifier
+        assert reward.compare("\\boxed{3}", "3").reason == "correct"  # a fresh verifier
     finally:
         reward.close()
 
@@ -102,11 +102,11 @@ def test_a_megabyte_of_digits_is_refused_quickly_in_both_modes():
     try:
         for mode in (LiteralNumberReward(), reward):
             started = time.perf_counter()
-            result = mode("1" * 1_000_000, "1")
+            result = mode.compare("1" * 1_000_000, "1")
             assert result.reason == "too_long" and result.score == 0.0 and len(result.extracted) == MAX_ANSWER_CHARS
             assert time.perf_counter() - started < 5  # refused before math-verify is even started
         assert reward._proc is None
-        assert LiteralNumberReward()("1" * 100, "1").reason == "not_literal"  # short of the cap: still not a number
+        assert LiteralNumberReward().compare("1" * 100, "1").reason == "not_literal"  # short of the cap: still not a number
     finally:
         reward.close()
 

@@ -59,7 +59,7 @@ def test_parts_built_from_their_section_take_its_values_with_no_defaults_of_thei
                             scoring=ScoringConfig(overlong_penalty=0.25, overlong_buffer=4, require_marker=True))
     grader = Grader.build(rollout, worker_id=5)
     assert grader.scoring is rollout.scoring and grader.max_new_tokens == 20 and grader.worker_id == 5
-    assert grader.reward.require_marker and not grader.chaos.active
+    assert grader.reward.comparison.require_marker and not grader.chaos.active
     gen = Generator.build(rollout, engine=None, topk_logprobs=4, seed=11, eval_temperature=0.3)
     assert (gen.sampling.n, gen.sampling.max_new_tokens, gen.sampling.temperature, gen.sampling.topk_logprobs, gen.sampling.seed) == (3, 20, 0.7, 4, 11)
     assert (gen.eval_sampling.temperature, gen.eval_sampling.topk_logprobs, gen.max_prompt_tokens) == (0.3, 0, 99)

@@ -179,7 +179,7 @@ def test_every_cell_of_every_grid_is_a_valid_drpo_train_config_with_its_rung_app
             assert node == value, (cell.name, key)
         assert cfg.seed == cell.seed
     if name == "frontier_words.yaml":  # the reasoning task reaches the experiments
-        assert type(cfg.task).__name__ == "WordProblemTask" and cfg.rollout.reward == "math_verify"
+        assert type(cfg.task).__name__ == "WordProblemTask" and cfg.rollout.reward.type == "math_verify"
 
 
 def test_a_run_folder_from_another_base_is_moved_aside_not_reported(tmp_path):

@@ -42,6 +42,8 @@ def test_chaos_is_one_seam_that_does_nothing_unless_configured():
     assert quiet.corrupt([completion(1)])[0].response_ids.tolist() == [1, 1, 1] and not quiet.reward_fails()
     failing = Grader.build(RolloutConfig(max_new_tokens=3), chaos=Chaos.build(ChaosConfig(reward_error_rate=1.0), worker_id=0))
     group = failing.grade(ticket, problem, [completion(1), completion(2)], 0, 0.1, 0, decode)
-    assert [(s.reward.reason, s.reward.detail, s.reward.score) for s in group.samples] == [("error", "RuntimeError", 0.0)] * 2
+    # every sample's reward failed: the group fails naming the reward and its first error (never trained on zeros)
+    assert group.samples == () and group.error == "reward literal failed on every sample (error): RuntimeError: chaos: injected reward failure"
+    assert [(r.reason, r.score) for r in group.reward_errors] == [("error", 0.0)] * 2
     emptied = Grader.build(RolloutConfig(max_new_tokens=3), chaos=Chaos.build(ChaosConfig(empty_response_rate=1.0), worker_id=0))
     assert emptied.grade(ticket, problem, [completion(1)], 0, 0.1, 0, decode).error == "every response is empty"

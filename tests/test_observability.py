@@ -19,6 +19,7 @@ import yaml
 
 from controller.app import train
 from learner.distributed import free_port
+from rollout.config import PythonRewardConfig
 from tests.prometheus_server import Prometheus, alert_rules, dashboard_queries, with_bool
 from tests.test_controller_e2e import run_config
 
@@ -29,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):
     """A 6-step async run with the decoupled anchor (so the dashboards' pi-vs-pi_prox panels have data
-    too) and 1 s scrapes; returns (prometheus, a time at which the run was live)."""
+    too), a reward of one's own by import path (so the reward-component panel has data) and 1 s
+    scrapes; returns (prometheus, a time at which the run was live)."""
     tmp = tmp_path_factory.mktemp("observed")
     metrics_port = free_port()
     prom = Prometheus(tmp, f"127.0.0.1:{metrics_port}", free_port())
@@ -37,6 +39,7 @@ def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):
     cfg = cfg.model_copy(update={
         "metrics": cfg.metrics.model_copy(update={"port": metrics_port, "linger_seconds": 4.0}),
         "eval": cfg.eval.model_copy(update={"every": 3}), "learner": cfg.learner.model_copy(update={"anchor": "decoupled"}),
+        "rollout": cfg.rollout.model_copy(update={"reward": PythonRewardConfig(function="tests.reward_fixtures:correct_and_length")}),
     })
     try:
         train(cfg)
@@ -53,6 +56,12 @@ def test_every_dashboard_panel_returns_data(scraped_run, dashboard, title, expr)
     prom, at = scraped_run
     result = prom.query(expr, at)
     assert result, f"{dashboard} / {title}: {expr} returned no data"
+
+
+def test_the_reward_of_ones_own_is_exported_by_component_and_failure_reason(scraped_run):
+    prom, at = scraped_run
+    assert {r["metric"]["component"] for r in prom.query("max_over_time(drpo_reward_component[5m])", at)} == {"correct", "length"}
+    assert {r["metric"]["reason"] for r in prom.query("max_over_time(drpo_reward_errors[5m])", at)} == {"error", "timeout", "invalid", "unreachable"}
 
 
 def test_the_gap_is_split_by_version_lag(scraped_run):

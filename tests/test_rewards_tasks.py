@@ -30,31 +30,31 @@ def test_extract_answer(text, expected):
 
 def test_literal_number_reward_scores_each_kind_of_answer():
     reward = LiteralNumberReward()
-    assert reward("I think it is \\boxed{189}", "189").reason == "correct"
-    assert reward("4 + 3 = 7", "7").score == 1.0  # plain final number
-    assert reward("half: \\boxed{\\frac{1}{2}}", "0.5").score == 1.0  # fraction vs decimal, exactly
-    assert reward("it is 3/4", "0.75").score == 1.0
-    assert reward("\\boxed{188}", "189").reason == "wrong"
-    assert reward("\\boxed{7 * 27}", "189").reason == "not_literal"  # an expression computes nothing
-    assert reward("\u2603\x00garbage", "5").reason == "no_answer"
-    assert reward("1,000 apples", "1000").score == 1.0
+    assert reward.compare("I think it is \\boxed{189}", "189").reason == "correct"
+    assert reward.compare("4 + 3 = 7", "7").score == 1.0  # plain final number
+    assert reward.compare("half: \\boxed{\\frac{1}{2}}", "0.5").score == 1.0  # fraction vs decimal, exactly
+    assert reward.compare("it is 3/4", "0.75").score == 1.0
+    assert reward.compare("\\boxed{188}", "189").reason == "wrong"
+    assert reward.compare("\\boxed{7 * 27}", "189").reason == "not_literal"  # an expression computes nothing
+    assert reward.compare("\u2603\x00garbage", "5").reason == "no_answer"
+    assert reward.compare("1,000 apples", "1000").score == 1.0
 
 
 def test_math_verify_reward_refuses_computations_and_is_time_bounded():
     reward = MathVerifyReward(timeout_s=60.0)
     try:
-        assert reward("so \\boxed{\\frac{1}{2}}", "0.5").reason == "correct"
-        assert reward("\\boxed{7 * 27}", "189").reason == "computation"
-        assert reward("\\boxed{190}", "189").reason == "wrong"
+        assert reward.compare("so \\boxed{\\frac{1}{2}}", "0.5").reason == "correct"
+        assert reward.compare("\\boxed{7 * 27}", "189").reason == "computation"
+        assert reward.compare("\\boxed{190}", "189").reason == "wrong"
         started = time.perf_counter()
-        assert reward("x" * 1_000_000 + " 12", "12").score == 1.0  # a megabyte of garbage stays linear
+        assert reward.compare("x" * 1_000_000 + " 12", "12").score == 1.0  # a megabyte of garbage stays linear
         assert time.perf_counter() - started < 10
         reward.timeout_s = 0.0  # no time at all: the verifier is killed and the call still returns
         started = time.perf_counter()
-        assert any(reward("\\boxed{3}", "3").reason == "timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
+        assert any(reward.compare("\\boxed{3}", "3").reason == "verify_timeout" for _ in range(5))  # a warm verifier can beat poll(0) now and then
         assert time.perf_counter() - started < 6
         reward.timeout_s = 60.0  # and the next call gets a fresh verifier
-        assert reward("\\boxed{3}", "3").reason == "correct"
+        assert reward.compare("\\boxed{3}", "3").reason == "correct"
     finally:
         reward.close()
 
@@ -70,7 +70,7 @@ def test_arithmetic_task_is_seeded_with_a_disjoint_held_out_split():
     assert {p.id for p in train}.isdisjoint({p.id for p in test})
     assert [p.prompt for p in train] != [p.prompt for p in test]
     reward = LiteralNumberReward()
-    assert all(reward(f"\\boxed{{{p.ground_truth}}}", p.ground_truth).score == 1.0 for p in train)
+    assert all(reward.compare(f"\\boxed{{{p.ground_truth}}}", p.ground_truth).score == 1.0 for p in train)
     with pytest.raises(ValueError, match="split"):
         arithmetic_split("validation", 3)
 
@@ -114,9 +114,9 @@ def test_a_power_tower_is_refused_before_math_verify_spends_its_time_bound():
     reward = MathVerifyReward(timeout_s=60.0)
     try:
         started = time.perf_counter()
-        result = reward("so \\boxed{10^{10^{10}}}", "7")
+        result = reward.compare("so \\boxed{10^{10^{10}}}", "7")
         assert result.reason == "too_large" and result.extracted == "10^{10^{10}}" and time.perf_counter() - started < 1
-        assert reward("\\boxed{10^{3}}", "1000").reason in ("correct", "wrong")  # a small power still reaches math-verify
+        assert reward.compare("\\boxed{10^{3}}", "1000").reason in ("correct", "wrong")  # a small power still reaches math-verify
     finally:
         reward.close()
 
@@ -133,7 +133,7 @@ def test_the_verifier_process_is_bounded_and_dies_with_its_parent(tmp_path):
         "from rollout.rewards import MathVerifyReward\n"
         "if __name__ == '__main__':\n"
         "    r = MathVerifyReward(timeout_s=120.0)\n"
-        "    assert r('\\\\boxed{3}', '3').reason == 'correct'\n"
+        "    assert r.compare('\\\\boxed{3}', '3').reason == 'correct'\n"
         "    print(r._proc.pid, flush=True)\n"
         "    os.kill(os.getpid(), 9)\n"
     )
@@ -154,7 +154,7 @@ def test_the_verifier_process_is_bounded_and_dies_with_its_parent(tmp_path):
     assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"  # gone with its parent
     reward = MathVerifyReward(timeout_s=120.0)
     try:
-        assert reward("\\boxed{3}", "3").reason == "correct"
+        assert reward.compare("\\boxed{3}", "3").reason == "correct"
         limits = open(f"/proc/{reward._proc.pid}/limits").read()
         (line,) = [l for l in limits.splitlines() if l.startswith("Max address space")]
         assert line.split()[3] == str(VERIFY_MEMORY_BYTES)
@@ -173,4 +173,5 @@ def test_dataset_loader_reads_dapo_style_parquet(tmp_path):
     pq.write_table(table, tmp_path / "dapo.parquet")
     report = load_dataset(tmp_path / "dapo.parquet")
     assert [(p.prompt, p.ground_truth) for p in report.problems] == [("Compute 6*7.", "42")]
-    assert report.skipped == [(2, "no prompt (expected a non-empty 'prompt', 'problem' or 'question')")]
+    assert report.skipped == [(2, "'prompt' messages must end with a non-empty user message")]
+    assert report.problems[0].messages == ({"role": "user", "content": "Compute 6*7."},)  # the chat form is kept for the template
