@@ -214,6 +214,19 @@ class Telemetry:
         self._write(record)
         self.worker_events[event] = self.worker_events.get(event, 0) + 1
 
+    def _reward_rows(self) -> list[tuple[str, str]]:
+        """A reward's components (first and last step) and the samples it could not score, when it has either."""
+        rows = []
+        first, last = self.steps[0], self.steps[-1]
+        names = sorted(k.removeprefix("reward/component/") for k in last if k.startswith("reward/component/"))
+        if names:
+            parts = [f"{n} {first.get('reward/component/' + n, float('nan')):.3f} -> {last['reward/component/' + n]:.3f}" for n in names]
+            rows.append(("reward components, first -> last step", ", ".join(parts)))
+        failed = {why: sum(s.get(f"reward/errors/{why}", 0) for s in self.steps) for why in FAILURES}
+        if any(failed.values()):
+            rows.append((f"samples reward {self.reward} could not score", ", ".join(f"{why} {n}" for why, n in failed.items() if n)))
+        return rows
+
     def worker_error(self, worker: int, error: str) -> None:
         """A rollout worker's first failed group: its error, printed and written once per worker
         (the ledger has every failure; this is where to look first)."""
@@ -322,6 +335,7 @@ class Telemetry:
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
             ]
             rows += self._update_rows(mean)
+            rows += self._reward_rows()
         if self.evals:  # this session's rounds: each record came through evaluation(), with its seconds
             seconds, wall = [e["seconds"] for e in self.evals], self.clock() - self._began
             rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds, "

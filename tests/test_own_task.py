@@ -68,6 +68,8 @@ def test_a_reward_module_outside_drpo_trains_smollm2_on_chat_rows_with_their_col
         assert s["reward/component/weight"] == 0.5 and 0 <= s["reward/component/correct"] <= 1
         assert s["reward/component/tests"] in {0.0, 0.5, 1.0, 1.5, 2.0} and s["reward/errors/error"] == 0
         assert s["reward/mean"] == pytest.approx(s["reward/component/correct"]) and s["reward/reason/scored"] == 1.0
+    (summary,) = [line for line in done.stdout.splitlines() if line.startswith("reward components, first -> last step")]
+    assert "correct " in summary and "tests " in summary and "weight 0.500 -> 0.500" in summary
     calls = [json.loads(line) for line in seen.read_text().splitlines()]
     assert len(calls) == 2 * 2 * 2  # steps x prompts x samples, each scored once
     by_id = {r["id"]: r for r in rows}

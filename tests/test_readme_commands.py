@@ -101,3 +101,20 @@ def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(tiny_chat_m
             assert 0.0 <= result["accuracy"] <= 1.0 and result["samples"] > 0, shlex.join(words)
         else:
             assert (target / "report" / "report.html").is_file()
+
+
+def test_readmes_own_task_command_trains_its_example_for_real(tmp_path):
+    """README's "Train on your own task" line, run as written (2 steps, no evaluation) in a copy of
+    examples/own_task: the example's reward runs in the workers, its kwargs and components arrive."""
+    import shutil
+
+    (line,) = [line for line in (REPO / "README.md").read_text().splitlines() if "examples/own_task && drpo train" in line]
+    folder, command = re.match(r"cd (\S+) && (drpo train [^#]+)", line).groups()
+    shutil.copytree(REPO / folder, tmp_path / "own_task")
+    extra = ["--set", "train.steps=2", "--set", "eval.at_start=false", "--set", "eval.every=0", "--set", "checkpoint.every=0", *QUIET]
+    done = run([*shlex.split(command), *extra], tmp_path / "own_task")
+    records = steps(tmp_path / "own_task" / "runs" / "own-task")
+    assert [s["step"] for s in records] == [1, 2] and "reward components, first -> last step" in done.stdout
+    for s in records:  # score = correct + format_weight x format, with task.yaml's format_weight 0.2 (the default is 0.1)
+        assert s["reward/mean"] == pytest.approx(s["reward/component/correct"] + 0.2 * s["reward/component/format"])
+        assert s["reward/errors/error"] == 0 and s["reward/reason/scored"] == 1.0
