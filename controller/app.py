@@ -135,8 +135,32 @@ def check_machine(cfg: RunConfig, learner: bool = True) -> None:
             f"{asked}, and this machine, where drpo starts a local Ray cluster, has {gpus} GPU(s): set them to 0 to run "
             "here, or join a cluster that has them (ray_address, or RAY_ADDRESS as `ray job submit` sets it)"
         )
+    problems += reward_problems(cfg.rollout.reward)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def reward_problems(reward) -> list[str]:
+    """A reward of one's own that a local cluster's workers could not load: a function they cannot
+    import (their path is this process's) or an API key variable that is not set."""
+    from rollout.config import JudgeRewardConfig, PythonRewardConfig
+
+    if isinstance(reward, PythonRewardConfig):
+        from rollout.reward_functions import load_function
+
+        added = os.getcwd() not in sys.path  # the workers run from this directory and import from it
+        if added:
+            sys.path.insert(0, os.getcwd())
+        try:
+            load_function(reward.function)
+        except ImportError as err:
+            return [str(err)]
+        finally:
+            if added:
+                sys.path.remove(os.getcwd())
+    if isinstance(reward, JudgeRewardConfig) and reward.api_key_env and not os.environ.get(reward.api_key_env):
+        return [f"rollout.reward.api_key_env={reward.api_key_env!r} is not set in this environment, which the rollout workers inherit"]
+    return []
 
 
 def make_backend(cfg: RunConfig):

@@ -333,6 +333,8 @@ def _set_path(tree: dict, dotted: str, value) -> None:
     node = tree
     for key in keys[:-1]:
         child = node.setdefault(key, {})
+        if key == "reward" and isinstance(child, str):  # a reward given by name ("literal"): its section is {type: name}
+            child = node[key] = {"type": child}
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted}: {key} is not a section")
         node = child

@@ -22,7 +22,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def summarize(sampled: list[list[float]], ks: list[int], lengths: list[int], truncated: list[bool], marked: list[bool]) -> dict:
-    """One eval set's sampled results: ``sampled`` holds each prompt's correctness per sample (0/1),
+    """One eval set's sampled results: ``sampled`` holds each prompt's score per sample (the built-ins: 0/1;
+    mean@k is the mean score, pass@k counts a sample correct when its score is >= 1),
     ``lengths``/``truncated``/``marked`` one entry per sample (response tokens, cut at the length
     limit, answered after a final-answer marker). pass@k is reported for every k of ``ks`` that
     every prompt has enough samples for."""
@@ -37,7 +38,7 @@ def summarize(sampled: list[list[float]], ks: list[int], lengths: list[int], tru
     }
     for k in ks:
         if sampled and k <= n:
-            out[f"pass_at_{k}"] = sum(pass_at_k(len(p), int(sum(p)), k) for p in sampled) / len(sampled)
+            out[f"pass_at_{k}"] = sum(pass_at_k(len(p), sum(s >= 1.0 for s in p), k) for p in sampled) / len(sampled)
     return out
 
 

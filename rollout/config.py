@@ -215,8 +215,8 @@ class PythonRewardConfig(_RewardBase):
 
 
 class HttpRewardConfig(_RewardBase):
-    """A reward service: each group's samples are POSTed as JSON to ``url``, which answers with one
-    score each (the schema is in README, "Train on your own task")."""
+    """A reward service: each sample is POSTed as JSON to ``url``, which answers with its score (the
+    schema is in README, "Train on your own task")."""
 
     type: Literal["http"] = "http"
     url: str = Field(pattern=r"^https?://", description="The service's scoring endpoint.")

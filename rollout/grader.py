@@ -81,7 +81,7 @@ class Grader:
         if failed and (len(failed) == len(results) or self.reward.config.on_error == "drop_group"):
             every = "every sample" if len(failed) == len(results) else f"{len(failed)} of {len(results)} samples"
             error = f"reward {self.reward.name} failed on {every} ({failed[0].reason}): {failed[0].detail}"
-            return Group(ticket, self.worker_id, (), version, seconds + scoring, error=error, reward_failures=tuple(failed))
+            return Group(ticket, self.worker_id, (), version, seconds + scoring, error=error, scoring_seconds=scoring, reward_failures=tuple(failed))
         samples = tuple(Sample(c, t, self._shaped(c, r)) for c, t, r in zip(completions, texts, results))
         return Group(ticket, self.worker_id, samples, version, seconds + scoring, scoring_seconds=scoring)
 
@@ -108,6 +108,6 @@ def reward_input(problem: Problem, completion: Completion, text: str) -> RewardI
     """One sample as the reward sees it."""
     return RewardInput(
         problem_id=problem.id, prompt=problem.prompt, messages=tuple(problem.chat_messages()), response=text,
-        response_ids=tuple(int(i) for i in completion.response_ids), finish_reason=completion.finish_reason,
+        response_ids=tuple(completion.response_ids.tolist()), finish_reason=completion.finish_reason,
         ground_truth=problem.ground_truth, metadata=dict(problem.metadata),
     )

@@ -39,19 +39,28 @@ def failure(reason: str, err: BaseException | str) -> RewardResult:
     return RewardResult(0.0, reason=reason, detail=text[:DETAIL_CHARS])
 
 
+def _number(value: Any) -> bool:
+    """A real number: int, float, numpy scalars, 0-d tensors (anything float() takes but text and bools)."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def as_result(value: Any, score_range: tuple[float, float] | None = None) -> RewardResult:
     """What a reward returned, as a ``RewardResult``: a number, a dict {score, components?, reason?}
     or a RewardResult; anything else, a non-finite score, or one outside ``score_range`` is a
     failed sample (reason invalid) naming what came back."""
     if isinstance(value, RewardResult):
         result = value
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif _number(value):
         result = RewardResult(float(value))
-    elif isinstance(value, dict) and isinstance(value.get("score"), (int, float)) and not isinstance(value.get("score"), bool):
+    elif isinstance(value, dict) and _number(value.get("score")):
         components = value.get("components") or {}
-        if not isinstance(components, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for k, v in components.items()
-        ):
+        if not isinstance(components, dict) or not all(isinstance(k, str) and _number(v) and math.isfinite(float(v)) for k, v in components.items()):
             return failure("invalid", f"components must map names to finite numbers, got {str(components)[:120]}")
         result = RewardResult(float(value["score"]), reason=str(value.get("reason", "scored")), components={k: float(v) for k, v in components.items()})
     else:
@@ -133,16 +142,26 @@ class PythonFunctionReward(Reward):
             return super().score(samples)
         try:
             values = list(self.fn(list(samples), **self.config.kwargs))
+            if len(values) != len(samples):
+                return [failure("invalid", f"the batch call returned {len(values)} results for {len(samples)} samples")] * len(samples)
+            return [as_result(v, self.config.score_range) for v in values]
         except Exception as err:  # noqa: BLE001
             return [failure("error", err)] * len(samples)
-        if len(values) != len(samples):
-            return [failure("invalid", f"the batch call returned {len(values)} results for {len(samples)} samples")] * len(samples)
-        return [as_result(v, self.config.score_range) for v in values]
 
 
 def sample_json(sample: RewardInput) -> dict:
     """A sample as the services receive it (README, "Train on your own task")."""
     return {**dataclasses.asdict(sample), "response_ids": list(sample.response_ids), "messages": list(sample.messages)}
+
+
+def _jsonable(value: Any) -> Any:
+    """What JSON has no type for in a dataset column (dates, decimals, bytes, numpy values): numbers
+    stay numbers, arrays become lists, the rest its text."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if _number(value):
+        return float(value)
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 class _Unreachable(Exception):
@@ -170,7 +189,7 @@ class _ServiceReward(Reward):
             return failure("error", err)
 
     def post(self, url: str, body: dict, headers: dict | None = None) -> Any:
-        data = json.dumps(body).encode()
+        data = json.dumps(body, default=_jsonable).encode()
         last: BaseException | None = None
         for attempt in range(self.config.retries + 1):
             if attempt:

@@ -29,7 +29,7 @@ class Problem:
     """The prompt's text: the user message (the last one, for chat rows), instruction included."""
     ground_truth: str | None
     """The answer a built-in reward compares with (None: a row without one, for a reward of one's own)."""
-    messages: tuple[dict, ...] = ()
+    messages: tuple[dict, ...] = field(default=(), hash=False)
     """Chat rows: the messages the prompt is rendered from (a system message first when the row or
     the task gives one); empty: one user message holding ``prompt``."""
     metadata: dict = field(default_factory=dict, hash=False, compare=False)
@@ -319,10 +319,10 @@ def load_dataset(
                 raise ValueError(f"not JSON: {row}" if isinstance(row, json.JSONDecodeError) else str(row))
             if not isinstance(row, dict):
                 raise ValueError("not an object")
-            problems.append(_row_problem(row, f"{path.stem}-{number}", fmt, instruction, prompt_field, answer_field, system_prompt, require_answer))
-            if len(problems[-1].prompt) > max_prompt_chars:
-                problems.pop()
-                raise ValueError(f"prompt has more than {max_prompt_chars} characters")
+            problem = _row_problem(row, f"{path.stem}-{number}", fmt, instruction, prompt_field, answer_field, system_prompt, require_answer)
+            if len(problem.prompt) > max_prompt_chars:
+                raise ValueError(f"prompt has {len(problem.prompt)} characters, more than {max_prompt_chars}")
+            problems.append(problem)
         except ValueError as err:
             skipped.append((number, str(err)))
     if not problems:

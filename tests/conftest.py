@@ -12,7 +12,20 @@ from controller.network import prepare
 prepare()  # the tests' clusters: loopback, quiet, token auth (set before any test module imports ray)
 
 
+LONGEST_FIRST = (
+    "test_matrix", "test_faults", "test_readme_commands", "test_train_moe", "test_weight_sync", "test_vllm_default",
+    "test_common_random_numbers", "test_train_tasks", "test_frontier", "test_train_parallel", "test_observability", "test_eval",
+    "test_experiments", "test_stop_signals", "test_vllm_train", "test_vllm_engine", "test_export", "test_own_task",
+)
+"""The modules that took longest in a full run (2 cores, 2026-12-04), longest first. They are
+collected first, so the processes of scripts/test.sh (pytest-xdist, a module per process at a time)
+start on them and the short ones fill in at the end, instead of one process finishing a long module
+alone."""
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -230,3 +230,25 @@ def test_the_reward_config_keeps_bare_names_and_refuses_unknown_ones():
         RolloutConfig(reward="exact")
     with pytest.raises(ValueError, match="function"):
         RolloutConfig(reward={"type": "python", "function": "no colon"})
+
+
+def test_numpy_scores_count_dataset_values_json_has_no_type_for_are_posted_and_overrides_reach_a_named_reward(scorer, tmp_path):
+    import datetime
+    import decimal
+
+    import numpy as np
+
+    from controller.app import reward_problems
+    from controller.config import PRESETS, load_config
+    from rollout.reward_functions import _jsonable
+
+    assert as_result(np.float32(0.5)).score == 0.5 and as_result({"score": np.int64(1), "components": {"c": np.float64(2)}}).components == {"c": 2.0}
+    row = {"when": datetime.date(2026, 1, 2), "price": decimal.Decimal("1.5"), "raw": b"ab", "vec": np.arange(2)}
+    assert json.loads(json.dumps(row, default=_jsonable)) == {"when": "2026-01-02", "price": 1.5, "raw": "ab", "vec": [0, 1]}
+    cfg = load_config(PRESETS / "default.yaml", ["rollout.reward.on_error=drop_group"])  # the preset names its reward
+    assert (cfg.rollout.reward.type, cfg.rollout.reward.on_error) == ("literal", "drop_group")
+    assert reward_problems(PythonRewardConfig(function=f"{scorer}:length_bonus")) == []
+    (problem,) = reward_problems(PythonRewardConfig(function="missing_mod:f"))
+    assert "cannot import 'missing_mod'" in problem
+    (problem,) = reward_problems(JudgeRewardConfig(base_url="http://127.0.0.1:1/v1", model="m", api_key_env="DRPO_NO_SUCH_KEY"))
+    assert "DRPO_NO_SUCH_KEY" in problem

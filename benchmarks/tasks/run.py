@@ -31,7 +31,7 @@ def measure(level: int, prompts: int, k: int, max_new_tokens: int, engine, batch
         for problem, group in zip(chunk, engine.generate(ids, params)):
             scores = []
             for c in group:
-                verdict = reward(engine.tokenizer.decode(c.response_ids, skip_special_tokens=True), problem.ground_truth)
+                verdict = reward.compare(engine.tokenizer.decode(c.response_ids, skip_special_tokens=True), problem.ground_truth)
                 scores.append(verdict.score)
                 lengths.append(len(c.response_ids))
                 truncated.append(c.finish_reason == "length")
