@@ -83,6 +83,9 @@ class Generated:
     """Engine seconds charged to it: the call's time shared among its prompts (0 for a bad prompt)."""
     topk: int
     """The top-K log-probs its call asked for (0 for evaluation)."""
+    texts: list[str] | None = None
+    """Each completion's response decoded (special tokens skipped), in the generating thread: the
+    tokenizer is never used from two threads at once."""
 
 
 class Generator:
@@ -155,7 +158,10 @@ class Generator:
                 self._call_began = None  # scoring is not the engine's time
                 seconds = (time.perf_counter() - started) / len(prompts)
                 for i, completions in zip(prompts, results):
-                    out[i] = Generated(batch[i][0], batch[i][1], completions, None, seconds, params.topk_logprobs)
+                    out[i] = Generated(
+                        batch[i][0], batch[i][1], completions, None, seconds, params.topk_logprobs,
+                        [self.decode(c.response_ids) for c in completions],
+                    )
         return [out[i] for i in range(len(batch))]
 
     def decode(self, ids) -> str:

@@ -1,21 +1,19 @@
 """Grading a rollout: checking an engine's completions and scoring them into a ``Group``.
 
 A completion the engine got wrong (lengths that disagree, a non-finite mu, missing top-K) fails its
-group with the reason; otherwise each response is decoded and the group's samples are scored by
+group with the reason; otherwise the group's samples (each with its decoded response) are scored by
 the reward (rollout/reward_functions.py: every kind behind one ``score``), then given the over-long
 shaping of ``rollout.scoring``. A sample the reward could not score (it raised, timed out, answered
 no usable score, its service was unreachable) scores 0 (``on_error: zero``) or fails its group
 (``drop_group``); a group whose every sample failed fails either way, with the reward's name and
 first error, so a broken reward stops the run (train.max_failures_in_a_row) instead of training on
-zeros. Testable without Ray or an engine: it needs the tokenizer's ``decode`` only.
+zeros. Testable without Ray or an engine: it takes the responses already decoded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
-
 import torch
 
 from rollout.chaos import Chaos
@@ -63,9 +61,10 @@ class Grader:
                    chaos or Chaos.build(None, worker_id=worker_id))
 
     def grade(
-        self, ticket: Ticket, problem: Problem, completions: list[Completion], version: int, seconds: float, topk: int,
-        decode: Callable[[torch.Tensor], str],
+        self, ticket: Ticket, problem: Problem, completions: list[Completion], texts: list[str], version: int, seconds: float,
+        topk: int,
     ) -> Group:
+        """``completions`` of ``problem`` and their responses decoded (``texts``) into a group."""
         completions = self.chaos.corrupt(completions)
         for c in completions:
             wrong = completion_problem(c, topk)
@@ -73,7 +72,7 @@ class Grader:
                 return Group(ticket, self.worker_id, (), version, seconds, error=wrong)
         if not any(len(c.response_ids) for c in completions):
             return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
-        texts = [decode(c.response_ids) for c in completions]
+        texts = [t if len(c.response_ids) else "" for c, t in zip(completions, texts)]  # chaos may have emptied one
         started = time.perf_counter()
         results = self._score([reward_input(problem, c, t) for c, t in zip(completions, texts)])
         scoring = time.perf_counter() - started

@@ -3,8 +3,11 @@
 Thin around its parts, each testable without Ray: ``submit`` queues (ticket, problem) pairs in the
 inbox (rollout/scheduler.py) and returns at once; a background thread takes the next engine call's
 prompts from it, has the generator (rollout/generator.py) run them through the engine, has the
-grader (rollout/grader.py) check and score every completion, and appends the finished ``Group``
-records (rollout/records.py) to an outbox that ``poll`` drains. Fault injection for tests goes
+grader (rollout/grader.py) check and score every completion on a second thread, so one call's
+scoring (a reward function, a reward service, a judge) runs while the next call generates, and
+appends the finished ``Group`` records (rollout/records.py) to an outbox that ``poll`` drains. While
+one call's groups are scored, the next call generates, and at most one more call's wait for the
+scorer. Fault injection for tests goes
 through rollout/chaos.py alone. ``update_weights`` stages a publication while generation runs; the
 engine swaps it in between two decoding steps, so no request is dropped and a response spanning the
 update records both versions. ``heartbeat`` reports liveness and progress. A bad prompt, a
@@ -15,6 +18,7 @@ worker.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +69,10 @@ class RolloutWorker:
         self._weight_loads = 0
         self.life = os.urandom(8).hex()
         """This process's own id: a heartbeat from a process the backend killed is not taken for its restart."""
+        self._to_score: queue.Queue = queue.Queue(maxsize=1)
+        """One engine call's generated groups waiting for the scoring thread (None: no more)."""
+        self._scorer = threading.Thread(target=self._score_loop, name="rollout-scoring", daemon=True)
+        self._scorer.start()
         self._thread = threading.Thread(target=self._loop, name="rollout", daemon=True)
         self._thread.start()
 
@@ -160,7 +168,9 @@ class RolloutWorker:
         """Stop taking work, let the engine call in flight end (up to ``timeout_s``), then close the
         engine (its processes and staging folders) and the reward's verifier."""
         self._inbox.close()
+        deadline = time.time() + timeout_s
         self._thread.join(timeout=timeout_s)
+        self._scorer.join(timeout=max(0.0, deadline - time.time()))
         for part in (self.engine, self.grader):
             close = getattr(part, "close", None)
             if close is not None:
@@ -174,16 +184,27 @@ class RolloutWorker:
         while True:
             batch = self._inbox.take(lambda n: max(1, rows // n))
             if batch is None:
+                self._to_score.put(None)
                 return
             version = self.engine.version
             with self._lock:
                 self._in_flight += len(batch)
                 self._started += [Started(ticket, self.worker_id, version) for ticket, _, _ in batch]
-            groups = self.chaos.lose([self._graded(g, version) for g in self.generator.generate(batch)])
+            generated = self.generator.generate(batch)
             if self.generator.dead is not None:
+                self._to_score.put(None)
                 return  # nothing more runs here: poll reports the death, the backend restarts the worker
+            self._to_score.put((generated, version, len(batch)))  # waits while the previous call is still being scored
+
+    def _score_loop(self) -> None:
+        while True:
+            item = self._to_score.get()
+            if item is None:
+                return
+            generated, version, prompts = item
+            groups = self.chaos.lose([self._graded(g, version) for g in generated])
             with self._lock:
-                self._in_flight -= len(batch)
+                self._in_flight -= prompts
                 self._outbox.extend(groups)
                 self._stats.groups += len(groups)
                 self._stats.failures += sum(g.error is not None for g in groups)
@@ -193,4 +214,4 @@ class RolloutWorker:
     def _graded(self, g: Generated, version: int) -> Group:
         if g.error is not None:
             return Group(g.ticket, self.worker_id, (), version, g.seconds, error=g.error)
-        return self.grader.grade(g.ticket, g.problem, g.completions, version, g.seconds, g.topk, self.generator.decode)
+        return self.grader.grade(g.ticket, g.problem, g.completions, g.texts, version, g.seconds, g.topk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -32,6 +33,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """``module_tmp("name")``: a folder for a module's shared runs, removed when the module ends (a
+    run's checkpoints take hundreds of MB; a test's own ``tmp_path`` goes when it passes, as
+    pyproject's ``tmp_path_retention_policy`` says)."""
+    made = []
+
+    def make(name: str):
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -35,8 +35,8 @@ ASYNC_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def async_run(ray_local, tiny_chat_model, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("async")
+def async_run(ray_local, tiny_chat_model, module_tmp):
+    tmp_path = module_tmp("async")
     cfg = run_config(tmp_path, tiny_chat_model, steps=ASYNC_STEPS)
     # Over-long shaping gives this model's groups reward variance (a reply cut at 3 tokens against one
     # that ended). Without it nearly every group scores all 0 on the arithmetic task and

@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def trained(ray_local, tiny_chat_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export")
+def trained(ray_local, tiny_chat_model, module_tmp):
+    tmp = module_tmp("export")
     cfg = run_config(tmp, tiny_chat_model, steps=4)
     cfg = cfg.model_copy(update={
         "checkpoint": cfg.checkpoint.model_copy(update={"every": 2, "hf": True}), "eval": cfg.eval.model_copy(update={"at_start": False}),

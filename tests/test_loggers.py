@@ -20,8 +20,8 @@ KEYS = ("gap/abs_shift_mean", "reward/mean", "learner/loss", "staleness/lag_mean
 
 
 @pytest.fixture(scope="module")
-def logged(ray_local, tiny_chat_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("loggers")
+def logged(ray_local, tiny_chat_model, module_tmp):
+    tmp = module_tmp("loggers")
     cfg = run_config(tmp, tiny_chat_model, steps=3)
     cfg = cfg.model_copy(update={
         "metrics": cfg.metrics.model_copy(update={"loggers": ["tensorboard", "wandb", "mlflow"], "project": "drpo-test"}),

@@ -28,11 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def scraped_run(ray_local, tiny_chat_model, tmp_path_factory):
+def scraped_run(ray_local, tiny_chat_model, module_tmp):
     """A 6-step async run with the decoupled anchor (so the dashboards' pi-vs-pi_prox panels have data
     too), a reward of one's own by import path (so the reward-component panel has data) and 1 s
     scrapes; returns (prometheus, a time at which the run was live)."""
-    tmp = tmp_path_factory.mktemp("observed")
+    tmp = module_tmp("observed")
     metrics_port = free_port()
     prom = Prometheus(tmp, f"127.0.0.1:{metrics_port}", free_port())
     cfg = run_config(tmp, tiny_chat_model, steps=6)
@@ -81,12 +81,12 @@ def test_every_alert_and_recording_rule_evaluates_with_data(scraped_run, rule):
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
+def ray_head(module_tmp):
     """`ray start --head --block` on 127.0.0.1 with its job API on loopback and token
     authentication on (a fresh token in tmp_path); stopped by signalling its own process group,
     so no other Ray instance on the machine is touched (`ray stop` would kill them all)."""
     ray_bin = str(Path(sys.executable).parent / "ray")
-    token = tmp_path_factory.mktemp("ray-head") / "ray-token"  # one head for this module's job tests
+    token = module_tmp("ray-head") / "ray-token"  # one head for this module's job tests
     token.write_text(secrets.token_hex(32))
     dash = free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}

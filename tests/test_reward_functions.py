@@ -19,7 +19,7 @@ from rollout.records import TrainTicket
 from rollout.reward_functions import as_result, build_reward
 from rollout.rewards import RewardInput
 from rollout.tasks import Problem, load_dataset
-from tests.test_grader import completion
+from tests.test_grader import completion, decoded
 
 SCORER = '''
 from rollout.rewards import RewardResult
@@ -91,17 +91,17 @@ def test_one_failing_sample_of_eight_is_counted_and_every_failing_sample_fails_t
     decode = lambda ids: texts[int(ids[0])]  # noqa: E731
     ticket, problem = TrainTicket(0, "p"), Problem("p", "What is 6*7?", "answer 1")
     config = PythonRewardConfig(function=f"{scorer}:length_bonus", kwargs={"fail_on": "answer 3"})
-    group = Grader.build(RolloutConfig(reward=config)).grade(ticket, problem, [completion(i) for i in texts], 0, 0.1, 0, decode)
+    group = Grader.build(RolloutConfig(reward=config)).grade(ticket, problem, *decoded([completion(i) for i in texts], decode), 0, 0.1, 0)
     assert group.error is None and len(group.samples) == 8
     assert [s.reward.reason for s in group.samples].count("scored") == 7
     (failed,) = group.reward_errors
     assert failed.reason == "error" and failed.detail == "ValueError: cannot score 'answer 3'" and failed.score == 0.0
     assert group.scoring_seconds > 0
     dropped = Grader.build(RolloutConfig(reward=config.model_copy(update={"on_error": "drop_group"})))
-    group = dropped.grade(ticket, problem, [completion(i) for i in texts], 0, 0.1, 0, decode)
+    group = dropped.grade(ticket, problem, *decoded([completion(i) for i in texts], decode), 0, 0.1, 0)
     assert group.samples == () and group.error.startswith(f"reward {scorer}:length_bonus failed on 1 of 8 samples (error): ValueError")
     broken = Grader.build(RolloutConfig(reward=PythonRewardConfig(function=f"{scorer}:not_a_number")))
-    group = broken.grade(ticket, problem, [completion(i) for i in texts], 0, 0.1, 0, decode)
+    group = broken.grade(ticket, problem, *decoded([completion(i) for i in texts], decode), 0, 0.1, 0)
     assert group.error.startswith(f"reward {scorer}:not_a_number failed on every sample (invalid): returned str 'yes'")
 
 

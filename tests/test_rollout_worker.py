@@ -107,3 +107,57 @@ def test_an_engines_private_folders_of_dead_processes_are_swept_by_the_next_one(
     made = Path(private_folder("drpo-vllm-weights-", str(tmp_path)))
     assert made.is_dir() and made.name.startswith(f"drpo-vllm-weights-{os.getpid()}-")
     assert not stale.exists() and live.is_dir() and other.is_dir()
+
+
+GATED_REWARD = '''
+import threading
+
+GATE = threading.Event()
+SCORING = threading.Event()
+
+
+def gated(sample):
+    SCORING.set()
+    if not GATE.wait(120):
+        raise TimeoutError("the test never opened the gate")
+    return 1.0
+'''
+
+
+def test_the_next_engine_call_generates_while_a_slow_reward_scores(tmp_path, monkeypatch, tiny_chat_model):
+    """Scoring runs on its own thread: while the first call's groups sit in a reward that blocks,
+    the worker has already started (and finished) generating the second call's prompts."""
+    import sys
+    import time
+
+    from rollout.config import PythonRewardConfig
+    from rollout.worker import RolloutWorker
+
+    (tmp_path / "gated_reward.py").write_text(GATED_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gated_reward
+
+    config = RolloutConfig(samples_per_prompt=2, max_new_tokens=4, max_batch_prompts=1, reward=PythonRewardConfig(function="gated_reward:gated"))
+    worker = RolloutWorker.build(config, model_folder=str(tiny_chat_model), seed=0)
+    try:
+        problems = arithmetic_split("test", 3)
+        for p in problems:
+            worker.submit(TrainTicket(0, p.id), p)
+        started, deadline = [], time.monotonic() + 120
+        while len(started) < 3 and time.monotonic() < deadline:
+            groups, new = worker.poll(timeout_s=1.0)
+            assert groups == []  # nothing is scored while the gate is shut
+            started += new
+        assert gated_reward.SCORING.is_set() and [s.ticket.id for s in started] == [p.id for p in problems]
+        # the second call was generated and waits for the scorer; the third is in the engine
+        assert worker._to_score.full() and worker.heartbeat()["queue_depth"] == 0
+        gated_reward.GATE.set()
+        groups = []
+        while len(groups) < 3 and time.monotonic() < deadline:
+            groups += worker.poll(timeout_s=1.0)[0]
+        assert [g.ticket.id for g in groups] == [p.id for p in problems]
+        assert all(g.error is None and [s.reward.score for s in g.samples] == [1.0, 1.0] for g in groups)
+    finally:
+        gated_reward.GATE.set()
+        worker.shutdown(timeout_s=30)
+        sys.modules.pop("gated_reward", None)

@@ -33,8 +33,8 @@ def layout_config(tmp_path, model, name: str, parallel: dict):
 
 
 @pytest.fixture(scope="module")
-def layout_runs(ray_local, tiny_chat_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("layouts")
+def layout_runs(ray_local, tiny_chat_model, module_tmp):
+    tmp = module_tmp("layouts")
     steps = {}
     for name, parallel in LAYOUTS.items():
         cfg = layout_config(tmp, tiny_chat_model, name, parallel)

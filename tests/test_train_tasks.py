@@ -28,8 +28,8 @@ def write_rows(path: Path, rows: list[dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def word_run(ray_local, smollm2_folder, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("word")
+def word_run(ray_local, smollm2_folder, module_tmp):
+    tmp = module_tmp("word")
     gsm8k = write_rows(tmp / "gsm8k.jsonl", [
         {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3 + 4 = 7\n#### 7"},
         {"question": "A box holds 6 pens. How many pens are in 2 boxes?", "answer": "6 * 2 = 12\n#### 12"},
