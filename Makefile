@@ -1,5 +1,5 @@
 # The two quick-start commands (README.md). Each one sets up .venv first (idempotent).
-.PHONY: setup run test test-fast
+.PHONY: setup run test test-fast docs
 
 setup:
 	bash scripts/setup.sh
@@ -16,3 +16,8 @@ test: setup
 # (markers ray, engine, slow, gpu deselected). CI runs the whole suite (`make test`).
 test-fast: setup
 	bash scripts/test.sh -m "not ray and not engine and not slow and not gpu"
+
+# The documentation site (Sphinx + MyST) into docs/_build/html, warnings as errors: a broken link
+# between pages or to a heading fails it. The reference pages are generated from the code.
+docs: setup
+	.venv/bin/python -m sphinx -E -W --keep-going -b html docs docs/_build/html

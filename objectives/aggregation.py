@@ -22,13 +22,14 @@ def aggregate(
     normalizer: torch.Tensor | float | None = None,
     horizon: int | None = None,
 ) -> torch.Tensor:
-    """Aggregate ``loss`` [B, T] over the bool ``mask`` [B, T].
+    """Aggregate ``loss`` [B, T] over the bool ``mask`` [B, T]::
 
-    token-mean:               sum over tokens / normalizer (tokens)
-    seq-mean-token-sum:       sum_seq (sum over its tokens) / normalizer (sequences)
-    seq-mean-token-mean:      sum_seq (mean over its tokens) / normalizer (sequences)
-    seq-mean-token-sum-norm:  sum_seq (sum over its tokens / horizon) / normalizer (sequences);
-                              Dr. GRPO's length-unbiased form, horizon a fixed constant.
+        token-mean:               sum over tokens / normalizer (tokens)
+        seq-mean-token-sum:       sum_seq (sum over its tokens) / normalizer (sequences)
+        seq-mean-token-mean:      sum_seq (mean over its tokens) / normalizer (sequences)
+        seq-mean-token-sum-norm:  sum_seq (sum over its tokens / horizon) / normalizer (sequences);
+                                  Dr. GRPO's length-unbiased form, horizon a fixed constant.
+
     Sequences without valid tokens count in no mode.
     """
     if mode not in MODES:

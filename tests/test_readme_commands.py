@@ -1,5 +1,5 @@
-"""Every `drpo …` command line in README.md's bash blocks runs as written, so README cannot drift
-from the code. `drpo train` lines run with `--simulate` added (and few steps unless the line sets
+"""Every `drpo …` command line in the bash blocks of README.md and the documentation pages (docs/)
+runs as written, so the docs cannot drift from the code. `drpo train` lines run with `--simulate` added (and few steps unless the line sets
 them) in one folder; export/eval/report lines run in another, against a real 2-step run of the tiny
 model in `runs/default` (what `make run` leaves there). Each command must also leave what it says
 it makes: steps in metrics.jsonl, a model folder, an evaluation JSON, a report."""
@@ -22,16 +22,23 @@ DRPO = str(Path(sys.executable).parent / "drpo")
 QUIET = ["--set", "metrics.port=null", "--set", "metrics.progress=false"]
 
 
+def doc_pages() -> list[Path]:
+    """README.md and every page of the docs site (the generated reference pages hold no commands)."""
+    return [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if "_build" not in p.parts)]
+
+
 def readme_commands() -> list[list[str]]:
-    """Every command of a ```bash block whose program is drpo (after optional VAR=value words)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    """Every command of a ```bash block whose program is drpo (after optional VAR=value words), in
+    README.md and the docs pages, each once, in page order."""
     commands = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            if not re.match(r"^\s*(\w+=\S+\s+)*drpo\s", line):
-                continue
-            words = shlex.split(line, comments=True)
-            commands.append(words)
+    for page in doc_pages():
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if not re.match(r"^\s*(\w+=\S+\s+)*drpo\s", line):
+                    continue
+                words = shlex.split(line, comments=True)
+                if words not in commands:
+                    commands.append(words)
     return commands
 
 
@@ -104,11 +111,13 @@ def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(tiny_chat_m
 
 
 def test_readmes_own_task_command_trains_its_example_for_real(tmp_path):
-    """README's "Train on your own task" line, run as written (2 steps, no evaluation) in a copy of
-    examples/own_task: the example's reward runs in the workers, its kwargs and components arrive."""
+    """The "Train on your own task" line (README and its guide), run as written (2 steps, no
+    evaluation) in a copy of examples/own_task: the example's reward runs in the workers, its kwargs
+    and components arrive."""
     import shutil
 
-    (line,) = [line for line in (REPO / "README.md").read_text().splitlines() if "examples/own_task && drpo train" in line]
+    lines = {m for page in doc_pages() for m in re.findall(r"cd examples/own_task && drpo train [^#`\n]+", page.read_text())}
+    (line,) = {" ".join(line.split()) for line in lines}
     folder, command = re.match(r"cd (\S+) && (drpo train [^#]+)", line).groups()
     shutil.copytree(REPO / folder, tmp_path / "own_task")
     extra = ["--set", "train.steps=2", "--set", "eval.at_start=false", "--set", "eval.every=0", "--set", "checkpoint.every=0", *QUIET]
