@@ -3,7 +3,7 @@
 import torch, when it is called).
 
 Without bf16 arithmetic units torch emulates bf16 on the CPU, far slower than fp32; with them
-(AMX, AVX-512 BF16) bf16 is faster (README, "Precision", has the measured figures). So the
+(AMX, AVX-512 BF16) bf16 is faster (docs/design/learner.md, "Precision", has the measured figures). So the
 embedded presets say ``auto``, and it is resolved once, when the config is loaded, into what
 config.yaml then records.
 """

@@ -216,7 +216,7 @@ class PythonRewardConfig(_RewardBase):
 
 class HttpRewardConfig(_RewardBase):
     """A reward service: each sample is POSTed as JSON to ``url``, which answers with its score (the
-    schema is in README, "Train on your own task")."""
+    schema is in the docs, docs/guides/own-task.md)."""
 
     type: Literal["http"] = "http"
     url: str = Field(pattern=r"^https?://", description="The service's scoring endpoint.")

