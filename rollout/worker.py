@@ -3,11 +3,10 @@
 Thin around its parts, each testable without Ray: ``submit`` queues (ticket, problem) pairs in the
 inbox (rollout/scheduler.py) and returns at once; a background thread takes the next engine call's
 prompts from it, has the generator (rollout/generator.py) run them through the engine, has the
-grader (rollout/grader.py) check and score every completion on a second thread, so one call's
-scoring (a reward function, a reward service, a judge) runs while the next call generates, and
-appends the finished ``Group`` records (rollout/records.py) to an outbox that ``poll`` drains. While
-one call's groups are scored, the next call generates, and at most one more call's wait for the
-scorer. Fault injection for tests goes
+grader (rollout/grader.py) check and score every completion on a second thread, and appends the
+finished ``Group`` records (rollout/records.py) to an outbox that ``poll`` drains. While one call's
+groups are scored (a reward function, a reward service, a judge), the next call generates, and at
+most one more call's wait for the scorer. Fault injection for tests goes
 through rollout/chaos.py alone. ``update_weights`` stages a publication while generation runs; the
 engine swaps it in between two decoding steps, so no request is dropped and a response spanning the
 update records both versions. ``heartbeat`` reports liveness and progress. A bad prompt, a
@@ -158,7 +157,8 @@ class RolloutWorker:
         with self._lock:
             return {
                 "node_id": node,
-                "alive": self._thread.is_alive(), "version": self.engine.version, "queue_depth": self._inbox.qsize(),
+                "alive": self._thread.is_alive() and self._scorer.is_alive(),  # a dead scorer would hold every call
+                "version": self.engine.version, "queue_depth": self._inbox.qsize(),
                 "in_flight": self._in_flight, "groups": self._stats.groups, "tokens": self._stats.tokens,
                 "failures": self._stats.failures, "last_step_time": self._stats.last_step, "life": self.life,
                 "engine_call_seconds": self.generator.call_seconds(),
