@@ -11,6 +11,8 @@ from __future__ import annotations
 from math import comb
 from statistics import median
 
+from rollout.rewards import FAILURES
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (k <= n)."""
@@ -45,7 +47,9 @@ def summarize(sampled: list[list[float]], ks: list[int], lengths: list[int], tru
 def set_summary(groups: list, ks: list[int]) -> dict:
     """One eval set's record from its result groups (rollout.records.Group with EvalTickets):
     sampled groups give mean@k, pass@k and the response statistics, greedy ones ``greedy``
-    accuracy; failed groups are counted in ``failed`` and left out of the means."""
+    accuracy; failed groups are counted in ``failed`` and left out of the means. Samples the reward
+    could not score (scored 0, or failing their group) are counted by reason in
+    ``reward_errors_<reason>`` (FAILURES: error, timeout, invalid, unreachable)."""
     sampled = [g for g in groups if not g.ticket.greedy and g.error is None]
     greedy = [g for g in groups if g.ticket.greedy and g.error is None]
     samples = [s for g in sampled for s in g.samples]
@@ -54,6 +58,8 @@ def set_summary(groups: list, ks: list[int]) -> dict:
         [s.completion.finish_reason == "length" for s in samples], [s.reward.marker not in (None, "last number") for s in samples],
     )
     out["failed"] = sum(g.error is not None for g in groups)
+    reasons = [r.reason for g in groups for r in g.reward_errors]
+    out.update({f"reward_errors_{why}": reasons.count(why) for why in FAILURES})
     if greedy:
         out["greedy"] = sum(g.scores[0] for g in greedy) / len(greedy)
     return out
@@ -64,4 +70,6 @@ def describe_set(start: dict, last: dict) -> str:
     keys = ["mean_at_k"] + sorted(k for k in last if k.startswith("pass_at_")) + (["greedy"] if "greedy" in last else [])
     label = lambda k: f"mean@{last.get('k', '?')}" if k == "mean_at_k" else k.replace("_at_", "@")  # noqa: E731
     parts = [f"{label(k)} {start[k]:.3f} → {last[k]:.3f}" if k in start else f"{label(k)} {last[k]:.3f}" for k in keys]
-    return ", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated"
+    errors = ", ".join(f"{why} {last[f'reward_errors_{why}']}" for why in FAILURES if last.get(f"reward_errors_{why}"))
+    return (", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated"
+            + (f"; reward errors in the last evaluation: {errors}" if errors else ""))

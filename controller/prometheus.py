@@ -97,6 +97,8 @@ CATALOG: dict[str, Family] = {
     "drpo_eval_response_tokens": Family("drpo_eval_response_tokens", "gauge", "Eval response length per set (labels set, stat: mean, median, max)"),
     "drpo_eval_prompts": Family("drpo_eval_prompts", "gauge", "Prompts per eval set (labels set; failed ones in drpo_eval_failed_prompts)"),
     "drpo_eval_failed_prompts": Family("drpo_eval_failed_prompts", "gauge", "Eval prompts whose group failed, per set"),
+    "drpo_eval_reward_errors": Family(
+        "drpo_eval_reward_errors", "gauge", "Eval samples the reward could not score in the last evaluation (labels set, reason: error, timeout, invalid, unreachable)"),
     "drpo_step": Family("drpo_step", "gauge", "Training steps done"),
     "drpo_policy_version": Family("drpo_policy_version", "gauge", "Learner policy version"),
     "drpo_last_step_timestamp_seconds": Family("drpo_last_step_timestamp_seconds", "gauge", "Unix time of the last finished step (stall alerts)"),
@@ -158,6 +160,8 @@ def _eval_series(name: str, metric: str) -> tuple[str, dict[str, str]] | None:
         return "drpo_eval_pass_at_k_ratio", {**labels, "k": metric.removeprefix("pass_at_")}
     if metric.startswith("response_tokens_"):
         return "drpo_eval_response_tokens", {**labels, "stat": metric.removeprefix("response_tokens_")}
+    if metric.startswith("reward_errors_"):
+        return "drpo_eval_reward_errors", {**labels, "reason": metric.removeprefix("reward_errors_")}
     family = {"mean_at_k": "drpo_eval_mean_at_k_ratio", "greedy": "drpo_eval_greedy_accuracy_ratio", "truncated_frac": "drpo_eval_truncated_ratio",
               "answer_marker_frac": "drpo_eval_answer_marker_ratio", "prompts": "drpo_eval_prompts", "failed": "drpo_eval_failed_prompts"}.get(metric)
     return (family, labels) if family else None

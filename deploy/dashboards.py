@@ -72,6 +72,7 @@ DASHBOARDS = {
         ("reward components (mean over the step's samples)", [("drpo_reward_component", "{{component}}")], "none"),
         ("reward: samples it could not score, and its seconds", [
             ("drpo_reward_errors", "{{reason}}"), ("drpo_reward_scoring_seconds", "scoring seconds"),
+            ("drpo_eval_reward_errors", "eval {{set}} {{reason}}"),
         ], "none"),
         ("eval sets: mean@k and pass@k", [
             ("drpo_eval_mean_at_k_ratio", "{{set}} mean@k"), ("drpo_eval_pass_at_k_ratio", "{{set}} pass@{{k}}"),

@@ -85,7 +85,7 @@ class DatasetTask(_Rows):
         None, description="Appended to every prompt; None: the format's default (gsm8k: think step by step, answer after "
         "'####'; math/aime: reason step by step, answer in \\boxed{}; dapo: none); '' for none.",
     )
-    max_prompt_chars: int = Field(8192, ge=1, description="Rows with longer prompts are skipped.")
+    max_prompt_chars: int = Field(8192, ge=1, description="Rows whose prompt is longer (characters of all its messages, system and earlier turns included) are skipped.")
 
     def eval_set_names(self) -> list[str]:
         return ["heldout"] if self.test_path else []

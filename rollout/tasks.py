@@ -39,6 +39,10 @@ class Problem:
         """What the chat template renders."""
         return [dict(m) for m in self.messages] if self.messages else [{"role": "user", "content": self.prompt}]
 
+    def prompt_chars(self) -> int:
+        """Characters of every message's text (system and earlier turns included)."""
+        return sum(len(str(m.get("content") or "")) for m in self.chat_messages())
+
 
 _TEMPLATES = {
     "+": ("{name} has {a} {item}. {pronoun} gets {b} more. How many {item} does {name} have now?", lambda a, b: a + b),
@@ -320,8 +324,8 @@ def load_dataset(
             if not isinstance(row, dict):
                 raise ValueError("not an object")
             problem = _row_problem(row, f"{path.stem}-{number}", fmt, instruction, prompt_field, answer_field, system_prompt, require_answer)
-            if len(problem.prompt) > max_prompt_chars:
-                raise ValueError(f"prompt has {len(problem.prompt)} characters, more than {max_prompt_chars}")
+            if (chars := problem.prompt_chars()) > max_prompt_chars:
+                raise ValueError(f"prompt has {chars} characters (all its messages), more than {max_prompt_chars}")
             problems.append(problem)
         except ValueError as err:
             skipped.append((number, str(err)))

@@ -62,6 +62,8 @@ def test_the_reward_of_ones_own_is_exported_by_component_and_failure_reason(scra
     prom, at = scraped_run
     assert {r["metric"]["component"] for r in prom.query("max_over_time(drpo_reward_component[5m])", at)} == {"correct", "length"}
     assert {r["metric"]["reason"] for r in prom.query("max_over_time(drpo_reward_errors[5m])", at)} == {"error", "timeout", "invalid", "unreachable"}
+    evaluated = {(r["metric"]["set"], r["metric"]["reason"]) for r in prom.query("max_over_time(drpo_eval_reward_errors[5m])", at)}
+    assert {why for _, why in evaluated} == {"error", "timeout", "invalid", "unreachable"} and len({s for s, _ in evaluated}) >= 1
 
 
 def test_the_gap_is_split_by_version_lag(scraped_run):
@@ -143,6 +145,32 @@ def test_ray_job_submit_runs_training_and_its_metrics_are_scraped(ray_head, tiny
         assert (tmp_path / "run" / "checkpoints" / "step-000004" / "controller.json").is_file()
     finally:
         prom.close()
+
+
+def test_the_own_task_guides_job_command_ships_the_reward_module_with_its_working_dir(ray_head, tiny_chat_model, tmp_path):
+    """The own-task guide's `ray job submit --working-dir ...` line, run as written against a local
+    head (its address and token from the environment, the tiny model, 2 steps): the reward module
+    travels in the job's working_dir and scores in the rollout workers, which only the job's
+    runtime env puts it in reach of."""
+    import re
+
+    ray_bin, job_api, env = ray_head
+    guide = (REPO / "docs" / "guides" / "own-task.md").read_text()
+    (line,) = re.findall(r"`(ray job submit --working-dir \S+ -- drpo train [^`]+)`", guide)
+    words = line.split()
+    words[0] = ray_bin
+    words[words.index("drpo")] = str(Path(sys.executable).parent / "drpo")
+    run_dir = tmp_path / "run"
+    words = [f"run_dir={run_dir}" if w.startswith("run_dir=") else w for w in words]
+    words += ["--set", f"model.path={tiny_chat_model}", "--set", "train.steps=2", "--set", "eval.at_start=false", "--set", "eval.every=0",
+              "--set", "checkpoint.every=0", "--set", "metrics.port=null", "--set", "metrics.progress=false"]
+    job = subprocess.run(words, cwd=REPO, capture_output=True, text=True, timeout=600, env={**env, "RAY_ADDRESS": job_api})
+    assert job.returncode == 0 and "succeeded" in (job.stdout + job.stderr).lower(), job.stdout[-3000:] + job.stderr[-3000:]
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:  # examples/own_task/my_reward.py scored every sample: its components, none failed
+        assert s["reward/errors/error"] == 0 and s["reward/reason/scored"] == 1.0 and "reward/component/format" in s
+    assert not (REPO / "examples" / "own_task" / "runs").exists()  # the run folder is the one named, not the job's unpacked copy
 
 
 def test_ray_job_stop_winds_the_run_down_with_a_checkpoint_and_the_resume_command(ray_head, tiny_chat_model, tmp_path):

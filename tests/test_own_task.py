@@ -86,10 +86,14 @@ def test_a_reward_that_fails_every_sample_stops_the_run_naming_it_and_its_first_
     cfg = run_config(tmp_path, tiny_chat_model, steps=4, mode="sync", max_staleness=0, max_failures_in_a_row=4)
     data = cfg.model_dump(mode="json")
     data["rollout"]["reward"] = {"type": "python", "function": "tests.reward_fixtures:always_raises"}
-    data["eval"].update(every=0, at_start=False)
+    data["eval"].update(every=0, at_start=True)
     data["metrics"].update(port=None)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     done = drpo_train(tmp_path / "run.yaml", REPO, {})
+    (evaluation,) = records(tmp_path / "run", "eval")  # the evaluation before the first step counts its samples by reason too
+    for name, summary in evaluation["sets"].items():  # drop_group: every prompt failed, none enters the means
+        assert summary["reward_errors_error"] >= summary["failed"] > 0 == summary["samples"], (name, summary)
+        assert summary["reward_errors_timeout"] == summary["reward_errors_unreachable"] == 0
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "every rollout failed: 4 groups in a row" in last

@@ -83,14 +83,16 @@ def test_dataset_loader_skips_bad_rows_and_reports_them_by_number(tmp_path):
         {"problem": "", "answer": "3"},
         {"question": "x" * 100, "answer": "5"},
         {"problem": "What is 3+3?", "solution": "6", "id": "p6"},
+        {"prompt": [{"role": "system", "content": "s" * 45}, {"role": "user", "content": "What is 4+4?"}], "answer": "8"},  # system counts
     ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     report = load_dataset(path, max_prompt_chars=50)
     assert [(p.prompt, p.ground_truth) for p in report.problems] == [("What is 1+1?", "2"), ("What is 3+3?", "6")]
     assert report.problems[1].id == "p6"
-    assert [n for n, _ in report.skipped] == [2, 3, 4, 5]
+    assert [n for n, _ in report.skipped] == [2, 3, 4, 5, 7]
     assert "not JSON" in report.skipped[0][1] and "ground truth" in report.skipped[1][1] and "50" in report.skipped[3][1]
+    assert report.skipped[4][1] == "prompt has 57 characters (all its messages), more than 50"
     (tmp_path / "bad.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="no usable rows"):
         load_dataset(tmp_path / "bad.jsonl")
