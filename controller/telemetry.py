@@ -35,6 +35,12 @@ its trained samples (a gauge that is not rewritten would keep its last value), a
 counts over every group that arrived (reward/errors/<reason>)."""
 
 
+def shown(value: float, digits: int) -> str:
+    """A figure for the console: ``n/a`` where nothing was there to measure (NaN: no token with a
+    nonzero advantage for a fraction over those tokens, no lag >= 1 token in a sync run)."""
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What the Controller tells telemetry about a finished step: a snapshot, not the Controller."""
@@ -268,7 +274,7 @@ class Telemetry:
         line = (
             f"step {r['step']}/{self.total_steps} [{'#' * done}{'.' * (width - done)}] "
             f"reward {r['reward/mean']:.3f} acc {r['reward/accuracy']:.3f} "
-            f"|pi-mu| {r.get('gap/abs_shift_mean', math.nan):.4f} {drift}{self._objective_headline(r)} "
+            f"|pi-mu| {shown(r.get('gap/abs_shift_mean', math.nan), 4)} {drift}{self._objective_headline(r)} "
             f"staleness {r['staleness/lag_mean']:.2f}"
         )
         line += (f" eval {ev['accuracy']:.3f}" if ev else "") + f" {r['step_seconds']:.1f}s/step"
@@ -284,7 +290,7 @@ class Telemetry:
         )
         for key, name in headlines:
             if key in r:
-                return f"{name} {r[key]:.4f}"
+                return f"{name} {shown(r[key], 4)}"
         return ""
 
     def _update_rows(self, mean) -> list[tuple[str, str]]:
@@ -298,7 +304,7 @@ class Telemetry:
                 ("|pi-mu| mean by update", ", ".join(f"{i}: {mean(f'gap/update_{i}/abs_shift_mean'):.5f}" for i in range(int(updates))))]
         if any("objective/weight_abs_dev_mean" in s for s in self.steps):
             rows += [
-                ("DRPO weights above 1 / below 0", f"{mean('objective/weight_above_one_frac'):.4f} / {mean('objective/corrective_frac'):.4f} "
+                ("DRPO weights above 1 / below 0", f"{shown(mean('objective/weight_above_one_frac'), 4)} / {shown(mean('objective/corrective_frac'), 4)} "
                                                   "of tokens (beyond 0.001)"),
                 ("DRPO mean |w-1|, regularizer share", f"{mean('objective/weight_abs_dev_mean'):.5f}, {mean('objective/regularizer_share'):.5f} of the loss"),
             ]
@@ -328,10 +334,10 @@ class Telemetry:
                 ("learner response tokens/s", f"{mean('learner/tokens_per_second'):.1f}"),
                 ("rollout response tokens/s", f"{mean('rollout/tokens_per_second'):.1f}"),
                 ("train reward, first -> last step", f"{self.steps[0]['reward/mean']:.3f} -> {self.steps[-1]['reward/mean']:.3f}"),
-                ("|pi-mu| mean, lag 0 (numerics)", f"{mean('gap/numerics/abs_shift_mean'):.5f}"),
-                ("|pi-mu| mean, lag 0 after an update mid-request", f"{mean('gap/inflight/abs_shift_mean'):.5f}"),
-                ("|pi-mu| mean, lag >= 1 (staleness)", f"{mean('gap/staleness/abs_shift_mean'):.5f}"),
-                ("corrective fraction", f"{mean('objective/corrective_frac'):.5f}"),
+                ("|pi-mu| mean, lag 0 (numerics)", shown(mean('gap/numerics/abs_shift_mean'), 5)),
+                ("|pi-mu| mean, lag 0 after an update mid-request", shown(mean('gap/inflight/abs_shift_mean'), 5)),
+                ("|pi-mu| mean, lag >= 1 (staleness)", shown(mean('gap/staleness/abs_shift_mean'), 5)),
+                ("corrective fraction", shown(mean('objective/corrective_frac'), 5)),
                 ("mean version lag", f"{mean('staleness/lag_mean'):.2f}"),
             ]
             rows += self._update_rows(mean)

@@ -315,7 +315,8 @@ def load_dataset(
     nothing raises for them. An empty result raises, naming the file and the first reasons."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"dataset {path} does not exist")
+        where = "" if path.is_absolute() else f" (a relative path is read from the folder drpo runs in: looked for {path.resolve()})"
+        raise FileNotFoundError(f"dataset {path} does not exist{where}")
     problems, skipped = [], []
     for number, row in _rows(path):
         try:

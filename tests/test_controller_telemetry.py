@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import urllib.request
 
 from controller.cli import main
@@ -73,3 +75,20 @@ def test_the_summary_shows_start_to_end_per_eval_set_only_when_two_evaluations_r
     assert "mean@1 0.100 → 0.500" in telemetry.summary([first, last], {"trained": 4})
     only = telemetry.summary([last], {"trained": 4})  # eval.at_start false: the end is the only evaluation
     assert "eval set heldout" in only and "mean@1 0.500" in only and "→" not in only
+
+
+def test_a_figure_with_nothing_to_measure_reads_n_a_not_nan(tmp_path):
+    """Every reward 0 leaves no token with a nonzero advantage: DRPO's corrective fraction is
+    undefined (NaN in metrics.jsonl); a sync run has no lag >= 1 token. The summary says n/a."""
+    from controller.config import MetricsConfig
+    from controller.telemetry import shown
+
+    assert shown(math.nan, 4) == "n/a" and shown(0.01234, 3) == "0.012"
+    telemetry = Telemetry(tmp_path, MetricsConfig(port=None, progress=False), 1, lambda: 0.0)
+    telemetry.steps.append({
+        "step": 1, "step_seconds": 2.0, "learner/tokens_per_second": 10.0, "rollout/tokens_per_second": 20.0, "reward/mean": 0.0,
+        "gap/numerics/abs_shift_mean": 0.001, "objective/corrective_frac": math.nan, "staleness/lag_mean": 0.0,
+    })
+    text = telemetry.summary([], {"trained": 1})
+    assert re.search(r"corrective fraction\s+n/a", text) and re.search(r"\|pi-mu\| mean, lag >= 1 \(staleness\)\s+n/a", text), text
+    assert re.search(r"\|pi-mu\| mean, lag 0 \(numerics\)\s+0\.00100", text) and "nan" not in text, text

@@ -96,6 +96,8 @@ def test_dataset_loader_skips_bad_rows_and_reports_them_by_number(tmp_path):
     (tmp_path / "bad.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="no usable rows"):
         load_dataset(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="relative path is read from the folder drpo runs in: looked for /"):
+        load_dataset("no-such-folder/data.jsonl")  # a relative path names where it was looked for
 
 
 def test_a_row_that_is_not_utf8_is_skipped_by_itself(tmp_path):

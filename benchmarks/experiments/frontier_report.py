@@ -297,32 +297,33 @@ def plot(rows: list[dict], grid: dict, folder: Path) -> list[Path]:
     for name, panels in (("frontier.png", [("gain", gain_name)]),
                          ("frontier_gap.png", [("gap_numerics_mean", "mean |π−μ|, lag 0"), ("gap_staleness_mean", "mean |π−μ|, lag ≥ 1"),
                                                ("gap_proximal_max", "max |π−π_step start|")])):
-        fig, axes = plt.subplots(len(panels), len(dims), figsize=(4.2 * len(dims), 3.2 * len(panels)), squeeze=False)
-        for col, d in enumerate(dims):
-            for row_i, (key, title) in enumerate(panels):
-                ax = axes[row_i][col]
-                for i, o in enumerate(objectives):
-                    f = result.get((o, d))
-                    if not f:
-                        continue
-                    xs = sorted(f["rungs"])
-                    ys = [f["rungs"][x].get(key) for x in xs]
-                    es = [f["rungs"][x].get("gain_se") or 0.0 for x in xs] if key == "gain" else None
-                    pts = [(x, y, e) for x, y, e in zip(xs, ys, es or [0.0] * len(xs)) if y is not None]
-                    if pts:
-                        ax.errorbar([p[0] + (i - len(objectives) / 2) * 0.04 for p in pts], [p[1] for p in pts],
-                                    yerr=[p[2] for p in pts] if es else None, marker="o", markersize=3, capsize=2, label=o, color=f"C{i}")
-                ax.set_xticks(sorted({r for (dd, r) in labels if dd == d} | {0}),
-                              [labels.get((d, r), "base") for r in sorted({r for (dd, r) in labels if dd == d} | {0})], rotation=20, fontsize=6)
-                ax.set_title(f"{d}: {title}", fontsize=8)
-                if key == "gain":
-                    ax.axhline(0.0, color="grey", linewidth=0.5)
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=5)
-                else:
-                    ax.text(0.5, 0.5, "not measured at these rungs", ha="center", va="center", transform=ax.transAxes, fontsize=7)
-        fig.tight_layout()
-        fig.savefig(Path(folder) / name, dpi=80)
+        # a panel per (dimension, measure) that at least two objectives measured (a measure some rungs
+        # do not record, e.g. lag >= 1 without staleness, gets no empty panel), 4 to a row, one legend
+        cells = [(d, key, title) for key, title in panels for d in dims
+                 if sum(any(v.get(key) is not None for v in (result.get((o, d)) or {"rungs": {}})["rungs"].values()) for o in objectives) >= 2]
+        ncols = max(1, min(4, len(cells)))
+        fig, axes = plt.subplots(-(-len(cells) // ncols) or 1, ncols, figsize=(4.2 * ncols, 3.2 * (-(-len(cells) // ncols) or 1) + 0.5), squeeze=False)
+        for ax, (d, key, title) in zip(axes.flat, cells):
+            for i, o in enumerate(objectives):
+                f = result.get((o, d))
+                if not f:
+                    continue
+                xs = sorted(f["rungs"])
+                ys = [f["rungs"][x].get(key) for x in xs]
+                es = [f["rungs"][x].get("gain_se") or 0.0 for x in xs] if key == "gain" else None
+                pts = [(x, y, e) for x, y, e in zip(xs, ys, es or [0.0] * len(xs)) if y is not None]
+                if pts:
+                    ax.errorbar([p[0] + (i - len(objectives) / 2) * 0.04 for p in pts], [p[1] for p in pts],
+                                yerr=[p[2] for p in pts] if es else None, marker="o", markersize=3, capsize=2, label=o, color=f"C{i}")
+            ticks = sorted({r for (dd, r) in labels if dd == d} | {0})
+            ax.set_xticks(ticks, [labels.get((d, r), "base") for r in ticks], rotation=20, fontsize=7)
+            ax.set_title(f"{d}: {title}", fontsize=9)
+            if key == "gain":
+                ax.axhline(0.0, color="grey", linewidth=0.5)
+        for ax in axes.flat[len(cells):]:
+            ax.axis("off")
+        _shared_legend(fig, axes)
+        fig.savefig(Path(folder) / name, dpi=90)
         plt.close(fig)
         paths.append(Path(folder) / name)
     paths.append(plot_curves(rows, grid, folder))
@@ -342,9 +343,17 @@ def _seed_mean_curve(rs: list[dict], key: str, window: int = 1) -> tuple[list[in
     return steps, [sum(by_step[x]) / len(by_step[x]) for x in steps]
 
 
+def _shared_legend(fig, axes) -> None:
+    """One legend for the whole figure, above its panels (each objective keeps its colour in every panel)."""
+    legend = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(list(legend.values()), list(legend.keys()), loc="upper center", ncol=max(1, len(legend)), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
+
+
 def plot_curves(rows: list[dict], grid: dict, folder: Path) -> Path:
     """frontier_curves.png: for the base and each dimension's highest rung run, every objective's
-    training reward (5-step moving average), learner entropy and held-out accuracy by step, means over seeds."""
+    training reward (5-step moving average), learner entropy and held-out accuracy by step, means over
+    seeds (a panel names an objective averaged over fewer seeds than the others)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,24 +365,28 @@ def plot_curves(rows: list[dict], grid: dict, folder: Path) -> Path:
     settings += [(d, max(r["rung"] for r in rows if r["dimension"] == d)) for d in grid["ladder"] if any(r["dimension"] == d for r in rows)]
     settings = settings or [(BASE, 0)]
     panels = (("reward_curve", "train reward (5-step mean)", REWARD_WINDOW), ("entropy_curve", "learner entropy", 1), ("curve", "held-out accuracy", 1))
-    fig, axes = plt.subplots(len(panels), len(settings), figsize=(4.2 * len(settings), 2.8 * len(panels)), squeeze=False)
+    seeds = max((sum(1 for r in rows if (r["objective"], r["dimension"], r["rung"]) == key) for key in {(r["objective"], r["dimension"], r["rung"]) for r in rows}), default=0)
+    fig, axes = plt.subplots(len(panels), len(settings), figsize=(4.2 * len(settings), 2.8 * len(panels) + 0.5), squeeze=False)
     for col, (d, rung) in enumerate(settings):
         for row_i, (key, title, window) in enumerate(panels):
             ax = axes[row_i][col]
+            fewer = []
             for i, o in enumerate(o["name"] for o in grid["objectives"]):
                 rs = [r for r in rows if r["objective"] == o and r["dimension"] == d and r["rung"] == rung]
                 xs, ys = _seed_mean_curve(rs, key, window)
                 if xs:
-                    ax.plot(xs, ys, marker="o" if key == "curve" else None, markersize=3, label=f"{o} ({len(rs)})", color=f"C{i}")
-            ax.set_title(f"{labels.get((d, rung), 'base')}: {title}", fontsize=8)
+                    ax.plot(xs, ys, marker="o" if key == "curve" else None, markersize=3, label=o, color=f"C{i}")
+                    if len(rs) < seeds:
+                        fewer.append(f"{o}: {len(rs)} seeds")
+            ax.set_title(f"{labels.get((d, rung), 'base')}: {title}", fontsize=9)
             ax.set_xlabel("step", fontsize=7)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=5)
-            else:
+            if fewer:  # means over fewer seeds than the others
+                ax.text(0.02, 0.02, ", ".join(fewer), transform=ax.transAxes, fontsize=7, va="bottom")
+            if not ax.get_legend_handles_labels()[0]:
                 ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, fontsize=7)
-    fig.tight_layout()
+    _shared_legend(fig, axes)
     path = Path(folder) / "frontier_curves.png"
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
