@@ -98,7 +98,7 @@ def completion_batch(completions, pad_id: int = 0) -> TrainBatch:
         p, r = len(c.prompt_ids), len(c.response_ids)
         input_ids[i, :p] = c.prompt_ids
         input_ids[i, p : p + r] = c.response_ids
-        mask[i, p : p + r] = True
+        mask[i, p : p + r] = True if c.loss_mask is None else c.loss_mask  # an environment's tokens: context only
         rollout_logp[i, p : p + r] = c.rollout_logp.float()
     return TrainBatch(input_ids, mask, rollout_logp, torch.zeros((n, width)), routed_experts=_routing(completions, width))
 

@@ -261,6 +261,28 @@ RewardConfig = Annotated[Union[LiteralRewardConfig, MathVerifyRewardConfig, Pyth
 REWARD_TYPES = ("literal", "math_verify", "python", "http", "judge")
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn episodes (rollout/environment.py): the model's turns alternate with an environment's,
+    whose inserted tokens are context only (no mu, no gradient, no gap metric)."""
+
+    path: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:Class' on the rollout workers' Python path: an "
+        "Environment subclass (reset(problem) -> messages, step(response) -> StepResult), one instance per episode; "
+        "rollout.tools:ToolEnvironment runs tool calls (kwargs: tools, a list of 'module:function').",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class.")
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode; an episode still going after them is truncated (max_turns).")
+    max_episode_tokens: int = Field(
+        512, ge=1, description="Tokens after the prompt per episode, the model's and the environment's; a model turn gets at "
+        "most what is left (and rollout.max_new_tokens); an episode that runs out is truncated (tokens).",
+    )
+    step_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description="Seconds one environment step may take; past it the episode fails (timeout).")
+
+    @property
+    def label(self) -> str:
+        return self.path
+
+
 ENGINE_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
 """The package each engine other than hf needs installed where its workers run."""
 
@@ -311,6 +333,16 @@ class RolloutConfig(Section):
             return {"type": value}
         return value
 
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn episodes with an environment or tools (each model turn generated from the episode's "
+        "token prefix, the environment's messages appended as context-only tokens); None: one response per prompt. A bare "
+        "'module:Class' is {path: 'module:Class'}.",
+    )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _bare_path(cls, value):
+        return {"path": value} if isinstance(value, str) else value
     scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="Answer marker, verifier time bound, over-long shaping.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")

@@ -95,6 +95,25 @@ def mix_seed(*parts) -> int:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """What a multi-turn episode (rollout/episodes.py) adds to its Completion."""
+
+    turns: int
+    """Model turns."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    environment_reward: float = 0.0
+    """The sum of the rewards the environment's steps gave (added to the outcome reward)."""
+    environment_seconds: float = 0.0
+    truncated: str | None = None
+    """Why a budget cut the episode: max_turns or tokens (None: it ended)."""
+    error: tuple[str, str] | None = None
+    """(reason, detail) when the environment failed the episode (error, timeout, invalid)."""
+    messages: tuple[dict, ...] = ()
+    """The conversation: the opening messages, then each model turn and the environment's messages."""
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled response. Per-token tensors are [L] (or [L, K]) for the L response tokens."""
 
@@ -115,6 +134,17 @@ class Completion:
     """MoE models: [P + L, layers, k] int16 ids of the experts the engine routed each position of
     prompt + response to, per MoE layer (rollout routing replay); the last position was never an
     input, its row is -1. None: a dense model, or an engine that does not report routing."""
+    loss_mask: torch.Tensor | None = None
+    """bool [L]: which response tokens the model sampled (trained, with mu and a version); False for
+    tokens an environment inserted (context only: their mu is 0 and their version the preceding
+    model token's). None: every token is the model's."""
+    episode: Episode | None = None
+    """A multi-turn episode's record (None: one response to a prompt)."""
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model sampled."""
+        return len(self.response_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 class EngineDied(RuntimeError):

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 
 from rollout.chaos import Chaos
-from rollout.config import RolloutConfig
+from rollout.config import EnvironmentConfig, RolloutConfig
 from rollout.engine import Completion, EndedProcess, Engine, SamplingParams, mix_seed
+from rollout.episodes import EpisodeRunner
 from rollout.records import EvalTicket, Ticket
 from rollout.scheduler import Submission
 from rollout.tasks import Problem
@@ -89,9 +90,12 @@ class Generated:
 
 
 class Generator:
-    def __init__(self, engine: Engine, sampling: SamplingParams, eval_sampling: SamplingParams, max_prompt_tokens: int | None, chaos: Chaos):
+    def __init__(self, engine: Engine, sampling: SamplingParams, eval_sampling: SamplingParams, max_prompt_tokens: int | None, chaos: Chaos,
+                 environment: EnvironmentConfig | None = None):
         """Use ``build``."""
         self.engine, self.sampling, self.eval_sampling = engine, sampling, eval_sampling
+        self.episodes = None if environment is None else EpisodeRunner(engine, environment, sampling.max_new_tokens, self.decode)
+        """Multi-turn episodes (rollout/episodes.py) when the rollout config has an environment."""
         self.max_prompt_tokens, self.chaos = max_prompt_tokens, chaos
         self.calls = 0
         self._call_began: float | None = None
@@ -114,7 +118,7 @@ class Generator:
             topk_logprobs=topk_logprobs, seed=seed,
         )
         eval_sampling = dataclasses.replace(sampling, topk_logprobs=0, temperature=eval_temperature or config.temperature)
-        return cls(engine, sampling, eval_sampling, config.max_prompt_tokens, chaos or Chaos.build(None, worker_id=worker_id))
+        return cls(engine, sampling, eval_sampling, config.max_prompt_tokens, chaos or Chaos.build(None, worker_id=worker_id), config.environment)
 
     def call_seconds(self) -> float | None:
         """How long the engine call running now has taken (None between calls)."""
@@ -128,20 +132,25 @@ class Generator:
         started = time.perf_counter()
         out: dict[int, Generated] = {}
         prompts = {}
+        n = batch[0][2] if batch else 1
+        params = self._params([t for t, _, _ in batch], n) if batch else None
         for i, (ticket, problem, _) in enumerate(batch):
             try:
-                prompts[i] = self._prompt_ids(problem)
+                prompts[i] = self._prompt_ids(problem) if self.episodes is None else self._episodes(problem, params, i)
             except Exception as err:
                 reason = str(err) if str(err) == "empty prompt" else f"{type(err).__name__}: {err}"
                 out[i] = Generated(ticket, problem, None, reason, 0.0, 0)
         if prompts:
-            _, _, n = batch[next(iter(prompts))]
-            params = self._params([batch[i][0] for i in prompts], n)
+            if len(prompts) < len(batch):  # each kept prompt keeps its own seed
+                params = self._params([batch[i][0] for i in prompts], n)
             self.calls += 1
             self._call_began = time.monotonic()
             try:
                 self.chaos.before_generate(self.engine, self.calls)
-                results = self.engine.generate(list(prompts.values()), params)
+                if self.episodes is None:
+                    results = self.engine.generate(list(prompts.values()), params)
+                else:
+                    results = self.episodes.run(list(prompts.values()), params)
             except Exception as err:  # the worker outlives a bad request; the controller sees why
                 self._call_began = None
                 if self.engine.is_dead(err):  # not this request's fault: the worker must restart
@@ -160,12 +169,29 @@ class Generator:
                 for i, completions in zip(prompts, results):
                     out[i] = Generated(
                         batch[i][0], batch[i][1], completions, None, seconds, params.topk_logprobs,
-                        [self.decode(c.response_ids) for c in completions],
+                        [self._text(c) for c in completions],
                     )
         return [out[i] for i in range(len(batch))]
 
     def decode(self, ids) -> str:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, c: Completion) -> str:
+        """What the reward reads: the response, or an episode's last model turn."""
+        if c.episode is not None and c.episode.messages and c.episode.messages[-1]["role"] == "assistant":
+            return c.episode.messages[-1]["content"]
+        return self.decode(c.response_ids)
+
+    def _episodes(self, problem: Problem, params: SamplingParams, row: int) -> list:
+        """The n episodes of one submission, opened (their environments reset, their prompts checked)."""
+        if not problem.prompt.strip():
+            raise ValueError("empty prompt")
+        seeds = None if params.prompt_seeds is None else params.prompt_seeds[row]
+        runs = [self.episodes.open(problem, None if seeds is None else mix_seed(seeds, j)) for j in range(params.n)]
+        for r in runs:
+            if self.max_prompt_tokens is not None and len(r.prompt_ids) > self.max_prompt_tokens:
+                raise ValueError(f"prompt has {len(r.prompt_ids)} tokens, more than max_prompt_tokens={self.max_prompt_tokens}")
+        return runs
 
     def _prompt_ids(self, problem: Problem) -> list[int]:
         if not problem.prompt.strip():

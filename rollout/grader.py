@@ -74,12 +74,15 @@ class Grader:
             return Group(ticket, self.worker_id, (), version, seconds, error="every response is empty")
         texts = [t if len(c.response_ids) else "" for c, t in zip(completions, texts)]  # chaos may have emptied one
         started = time.perf_counter()
-        results = self._score([reward_input(problem, c, t) for c, t in zip(completions, texts)])
+        broken = [c.episode.error if c.episode is not None else None for c in completions]  # an environment failed the episode
+        scored = iter(self._score([reward_input(problem, c, t) for c, t, b in zip(completions, texts, broken) if b is None]))
+        results = [failure(*b) if b is not None else _with_environment(next(scored), c) for c, b in zip(completions, broken)]
         scoring = time.perf_counter() - started
         failed = [r for r in results if r.failed]
         if failed and (len(failed) == len(results) or self.reward.config.on_error == "drop_group"):
             every = "every sample" if len(failed) == len(results) else f"{len(failed)} of {len(results)} samples"
-            error = f"reward {self.reward.name} failed on {every} ({failed[0].reason}): {failed[0].detail}"
+            who = "its environment" if all(b is not None for b in broken) else f"reward {self.reward.name}"
+            error = f"{who} failed on {every} ({failed[0].reason}): {failed[0].detail}"
             return Group(ticket, self.worker_id, (), version, seconds + scoring, error=error, scoring_seconds=scoring, reward_failures=tuple(failed))
         samples = tuple(Sample(c, t, self._shaped(c, r)) for c, t, r in zip(completions, texts, results))
         return Group(ticket, self.worker_id, samples, version, seconds + scoring, scoring_seconds=scoring)
@@ -92,21 +95,35 @@ class Grader:
         return [failure("error", "RuntimeError: chaos: injected reward failure") if bad else next(scored) for bad in injected]
 
     def _shaped(self, c: Completion, result: RewardResult) -> RewardResult:
-        """The over-long shaping added to a verdict (training groups and evaluation alike; evaluation reads correctness only)."""
+        """The over-long shaping added to a verdict (training groups and evaluation alike; evaluation
+        reads correctness only). Not for an episode, whose budget is rollout.environment's."""
+        if c.episode is not None:
+            return result
         shaping = overlong_shaping(
             len(c.response_ids), self.max_new_tokens, c.finish_reason == "length",
             self.scoring.overlong_penalty, self.scoring.overlong_buffer,
         )
-        return dataclasses.replace(result, shaping=shaping) if shaping else result
+        return dataclasses.replace(result, shaping=result.shaping + shaping) if shaping else result
 
     def close(self) -> None:
         self.reward.close()
 
 
+def _with_environment(result: RewardResult, c: Completion) -> RewardResult:
+    """An episode's reward: the outcome reward plus what its environment's steps gave (as shaping,
+    logged as the ``environment`` component); correctness stays the outcome's."""
+    if c.episode is None or result.failed or not c.episode.environment_reward:
+        return result
+    extra = c.episode.environment_reward
+    return dataclasses.replace(result, shaping=result.shaping + extra, components={**result.components, "environment": extra})
+
+
 def reward_input(problem: Problem, completion: Completion, text: str) -> RewardInput:
-    """One sample as the reward sees it."""
+    """One sample as the reward sees it (an episode: its last model turn as ``response``, the whole
+    conversation as ``messages``)."""
+    messages = completion.episode.messages if completion.episode is not None else problem.chat_messages()
     return RewardInput(
-        problem_id=problem.id, prompt=problem.prompt, messages=tuple(problem.chat_messages()), response=text,
+        problem_id=problem.id, prompt=problem.prompt, messages=tuple(messages), response=text,
         response_ids=tuple(completion.response_ids.tolist()), finish_reason=completion.finish_reason,
         ground_truth=problem.ground_truth, metadata=dict(problem.metadata),
     )

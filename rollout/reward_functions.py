@@ -14,7 +14,6 @@ failed sample does to its group (``on_error``) is the grader's business (rollout
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -29,6 +28,7 @@ from rollout.config import (
     HttpRewardConfig, JudgeRewardConfig, LiteralRewardConfig, MathVerifyRewardConfig, PythonRewardConfig, RewardConfig, ScoringConfig,
 )
 from rollout.rewards import LiteralNumberReward, MathVerifyReward, RewardInput, RewardResult
+from rollout.user_code import load
 
 DETAIL_CHARS = 300
 """How much of an error a failed sample keeps."""
@@ -112,18 +112,7 @@ class BuiltinReward(Reward):
 
 def load_function(path: str) -> Callable:
     """``package.module:name`` imported on this process's path; a clear error naming what is missing."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(
-            f"rollout.reward.function={path!r}: cannot import {module_name!r} ({err}); the module must be on the rollout "
-            "workers' Python path (PYTHONPATH for a local run; runtime_env working_dir or py_modules with ray job submit)"
-        ) from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ImportError(f"rollout.reward.function={path!r}: {module_name} has no callable {attr!r}")
-    return fn
+    return load(path, "rollout.reward.function", callable, "callable")
 
 
 class PythonFunctionReward(Reward):

@@ -68,7 +68,7 @@ class RewardResult:
     marker: str | None = None
     """Where the answer came from (rollout.answers.Marker: "####", "answer is", "boxed", "last number")."""
     shaping: float = 0.0
-    """Added to ``score`` for training (over-long shaping: <= 0); correctness stays ``score``."""
+    """Added to ``score`` for training (over-long shaping: <= 0; an episode's environment rewards); correctness stays ``score``."""
     detail: str | None = None
     """What more there is to say about ``reason``: for a failure, the error."""
     components: dict[str, float] = field(default_factory=dict)

@@ -107,3 +107,56 @@ def test_a_group_whose_prompts_differ_is_not_shared():
     prompt, lengths = packing.spans(batch.response_mask)
     segs = packing.segments(ids, lengths, prompt, "shared_prompt")
     assert [s.rows for s in segs] == [(0,), (1,), (2, 3), (4, 5, 6, 7), (9,), (8, 10, 11)]  # row 9 is empty
+
+
+def _episode_batch() -> tuple[TrainBatch, torch.Tensor]:
+    """_grouped_batch as 2-turn episodes: inside each longer response a run of 2-3 tokens is an
+    environment's (mask 0), with large made-up mu and advantages there that must not count.
+    Returns the batch and the environment tokens' positions."""
+    batch = _grouped_batch()
+    mask, env = batch.response_mask.clone(), torch.zeros_like(batch.response_mask)
+    prompt, end = packing.spans(batch.response_mask)
+    for i in range(len(mask)):
+        if end[i] - prompt[i] >= 5:
+            start = int(prompt[i]) + 2
+            env[i, start: start + (3 if i % 2 else 2)] = True
+    mask &= ~env
+    rollout = torch.where(env, 7.5, batch.rollout_logp)  # would be a log-prob > 0: nonsense if it were read
+    adv = torch.where(env, -40.0, batch.advantages)
+    return TrainBatch(batch.input_ids, mask, rollout, adv), env
+
+
+@pytest.mark.parametrize("mode", ["none", "sequences", "shared_prompt"])
+def test_an_environments_tokens_are_context_only_in_every_packing(megatron_single_rank, mode):
+    """Multi-turn episodes: the environment's tokens (mask 0 inside a response) are attended to but
+    never scored: the loss equals DRPO's token-mean over the model's tokens alone, computed
+    independently from pi at those tokens; their mu and advantage do not change the update."""
+    import objectives
+
+    batch, env = _episode_batch()
+    assert env.sum() >= 10 and not (env & batch.response_mask).any()
+    learner = _learner(packing=mode, micro_batch_tokens=40)
+    logp = learner.batch_logprobs(batch).logp
+    model = batch.response_mask
+    expected = objectives.token_loss("drpo", logp[model], batch.rollout_logp[model], batch.advantages[model], delta=0.2).mean()
+    got = learner.train(batch)
+    assert abs(got.loss - float(expected)) < 1e-5 * max(1.0, abs(float(expected)))
+    # the environment's mu and advantages are never read: other values give the same update, bit for bit
+    other = TrainBatch(batch.input_ids, model, torch.where(env, -3.0, batch.rollout_logp), torch.where(env, 9.0, batch.advantages))
+    again = _learner(packing=mode, micro_batch_tokens=40).train(other)
+    assert (again.loss, again.grad_norm) == (got.loss, got.grad_norm)
+
+
+def test_the_gradient_at_the_logits_predicting_an_environments_tokens_is_exactly_zero():
+    """The objective on logits: the rows that predict environment tokens get no gradient at all."""
+    import objectives
+
+    batch, env = _episode_batch()
+    logits = torch.randn(*batch.input_ids.shape, TINY["vocab_size"], generator=torch.Generator().manual_seed(3), requires_grad=True)
+    logp = torch.zeros(batch.input_ids.shape)
+    logp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    loss = objectives.token_loss("drpo", logp, batch.rollout_logp, batch.advantages, delta=0.2, mask=batch.response_mask)
+    objectives.aggregate(loss, batch.response_mask, "token-mean").backward()
+    predicting_env = torch.zeros_like(env)
+    predicting_env[:, :-1] = env[:, 1:]
+    assert torch.all(logits.grad[predicting_env] == 0) and logits.grad[torch.roll(batch.response_mask, -1, 1)].abs().sum() > 0

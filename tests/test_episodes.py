@@ -1,0 +1,134 @@
+"""Multi-turn episodes: token in, token out through a real engine; the calculator tool; failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.config import EnvironmentConfig, RolloutConfig
+from rollout.engine import SamplingParams
+from rollout.episodes import ChatTurns
+from rollout.generator import Generator
+from rollout.grader import Grader
+from rollout.records import TrainTicket
+from rollout.tasks import Problem
+from rollout.tools import ToolEnvironment, ToolError, calculator
+
+pytestmark = [pytest.mark.engine]
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_chat_model):
+    from rollout.hf_engine import HFEngine
+
+    return HFEngine(str(tiny_chat_model))
+
+
+def generator(engine, environment: dict, n: int = 2, max_new_tokens: int = 6, seed: int | None = 0) -> Generator:
+    config = RolloutConfig(samples_per_prompt=n, max_new_tokens=max_new_tokens, environment=environment)
+    return Generator.build(config, engine=engine, seed=seed, topk_logprobs=2)
+
+
+def run(gen: Generator, problems: list[Problem]):
+    return gen.generate([(TrainTicket(0, p.id), p, gen.sampling.n) for p in problems])
+
+
+def test_the_learner_scores_exactly_the_engines_ids_plus_the_environments_rendered_alone(hf_engine):
+    """A scripted 2-turn environment on the tiny chat model (SmolLM2's template, special tokens
+    <|im_start|>/<|im_end|>): the episode's ids are turn 1's sampled ids, the template's end of turn,
+    the observation rendered alone, then turn 2's sampled ids, token for token; only the model's
+    tokens are in the loss mask, with their mu."""
+    gen = generator(hf_engine, {"path": "tests.env_fixtures:Scripted", "kwargs": {"turns": 2}})
+    (out,) = run(gen, [Problem("p1", "What is 2+2?", "4")])
+    turns = ChatTurns(hf_engine.tokenizer)
+    observation = turns.appended([{"role": "user", "content": "hello there 42"}])
+    for k, c in enumerate(out.completions):
+        ids, mask = c.response_ids.tolist(), c.loss_mask.tolist()
+        env_at = [i for i, m in enumerate(mask) if not m]
+        assert c.episode.turns == 2 and c.episode.error is None and c.episode.environment_reward == pytest.approx(0.5)
+        first = ids[: env_at[0]]
+        inserted = ids[env_at[0]: env_at[-1] + 1]
+        assert inserted == turns.close(first) + observation  # the environment's ids: end of turn, then the message alone
+        second = ids[env_at[-1] + 1:]
+        assert all(mask[: env_at[0]]) and all(mask[env_at[-1] + 1:]) and len(second) > 0
+        # the engine continued from exactly this prefix: scoring prompt + first turn + inserted ids again gives turn 2's mu
+        again = hf_engine.generate([c.prompt_ids.tolist() + first + inserted], SamplingParams(n=1, max_new_tokens=1, greedy=True))[0][0]
+        assert again.prompt_ids.tolist() == c.prompt_ids.tolist() + first + inserted
+        assert torch.all(c.rollout_logp[~c.loss_mask] == 0) and torch.all(c.rollout_logp[c.loss_mask] <= 0)
+        assert c.topk_ids.shape == (len(ids), 2) and torch.all(c.topk_ids[~c.loss_mask] == 0)
+        assert c.versions.tolist() == [0] * len(ids) and c.model_tokens == len(first) + len(second)
+        # the reward reads the last model turn; the conversation is the episode's record
+        assert [m["role"] for m in c.episode.messages] == ["user", "assistant", "user", "assistant"]
+        assert c.episode.messages[-1]["content"] == hf_engine.tokenizer.decode(second, skip_special_tokens=True) == out.texts[k]
+
+
+def test_a_whole_conversation_retokenized_differs_from_the_sampled_ids(hf_engine):
+    """Why episodes append ids instead of re-rendering: a model that sampled "hel" + "lo" wrote the
+    text "hello", which the tokenizer encodes as one token."""
+    tok = hf_engine.tokenizer
+    sampled = tok.encode("hel", add_special_tokens=False) + tok.encode("lo", add_special_tokens=False)
+    turns = ChatTurns(tok)
+    opening = [{"role": "user", "content": "Say hello."}]
+    prompt = hf_engine.chat_prompt(opening)
+    appended = prompt + sampled + turns.close(sampled) + turns.appended([{"role": "user", "content": "again"}])
+    whole = hf_engine.chat_prompt(opening + [{"role": "assistant", "content": tok.decode(sampled)}, {"role": "user", "content": "again"}])
+    assert tok.decode(appended) == tok.decode(whole) and appended != whole
+
+
+def test_seeded_episodes_repeat_and_an_async_step_works(hf_engine):
+    env = {"path": "tests.env_fixtures:AsyncScripted", "kwargs": {"turns": 3}}
+    a = run(generator(hf_engine, env, seed=5), [Problem("p", "What is 1+2?", "3")])[0]
+    b = run(generator(hf_engine, env, seed=5), [Problem("p", "What is 1+2?", "3")])[0]
+    assert [c.response_ids.tolist() for c in a.completions] == [c.response_ids.tolist() for c in b.completions]
+    assert all(c.episode.turns == 3 for c in a.completions)
+
+
+def test_budgets_truncate_by_name(hf_engine):
+    turns = run(generator(hf_engine, {"path": "tests.env_fixtures:Scripted", "kwargs": {"turns": 9}, "max_turns": 2}), [Problem("p", "Hi", "1")])[0]
+    assert all(c.episode.truncated == "max_turns" and c.episode.turns == 2 for c in turns.completions)
+    tokens = run(generator(hf_engine, {"path": "tests.env_fixtures:Scripted", "kwargs": {"turns": 9}, "max_episode_tokens": 20}), [Problem("p", "Hi", "1")])[0]
+    assert all(c.episode.truncated == "tokens" and len(c.response_ids) <= 20 for c in tokens.completions)
+
+
+def test_an_environment_that_raises_or_times_out_fails_its_episodes_by_name_and_the_group(hf_engine):
+    grader = Grader.build(RolloutConfig(reward={"type": "python", "function": "tests.reward_fixtures:correct_and_length"}))
+    for path, kwargs, reason, words in (("tests.env_fixtures:Raises", {}, "error", "step raised KeyError: 'no such state'"),
+                                        ("tests.env_fixtures:Slow", {"seconds": 3.0}, "timeout", "step took longer than 0.5 s")):
+        gen = generator(hf_engine, {"path": path, "kwargs": kwargs, "step_timeout_s": 0.5})
+        (out,) = run(gen, [Problem("p", "Hi", "1")])
+        assert all(c.episode.error == (reason, f"environment {path}: {words}") for c in out.completions)
+        group = grader.grade(out.ticket, out.problem, out.completions, out.texts, 0, out.seconds, out.topk)
+        assert group.error == f"its environment failed on every sample ({reason}): environment {path}: {words}"
+        assert [r.reason for r in group.reward_failures] == [reason, reason]
+
+
+def test_a_missing_environment_is_named():
+    with pytest.raises(ImportError, match="rollout.environment.path='no_such_module:Env': cannot import 'no_such_module'"):
+        from rollout.environment import load_environment
+
+        load_environment("no_such_module:Env")
+    assert RolloutConfig(environment="tests.env_fixtures:Scripted").environment == EnvironmentConfig(path="tests.env_fixtures:Scripted")
+
+
+def test_the_calculator_computes_and_refuses_code_huge_exponents_and_long_input_by_name():
+    assert calculator("(3 + 4) * 12") == "84" and calculator("7 / 2") == "3.5" and calculator("-2 ** 3") == "-8" and calculator("2**64") == "18446744073709551616"
+    for expression, words in (
+        ("__import__('os').system('true')", "not code (Call)"), ("x + 1", "not code (Name)"), ("(1).real", "not code (Attribute)"),
+        ("2 ** 1000", "exponent 1000 is larger than 64"), ("9 ** 9 ** 9", "exponent 387420489 is larger than 64"),
+        ("1" * 201, "expression is 201 characters, more than 200"), ("1 / 0", "division by zero"), ("10**30 * 10**30", "result is too large"),
+        ("1 +", "not an arithmetic expression"), ("True + 1", "not code (Constant)"),
+    ):
+        with pytest.raises(ToolError, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+            calculator(expression)
+
+
+def test_tool_calls_are_run_and_their_errors_go_back_to_the_model():
+    env = ToolEnvironment()
+    opening = env.reset(Problem("p", "What is 12 times 13?", "156"))
+    assert opening[0]["role"] == "system" and '"name": "calculator"' in opening[0]["content"] and opening[1]["content"] == "What is 12 times 13?"
+    step = env.step('Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "12*13"}}</tool_call>')
+    assert step.messages == [{"role": "tool", "content": "156"}] and (step.tool_calls, step.tool_errors, step.done) == (1, 0, False)
+    bad = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "2**999"}}</tool_call><tool_call>{"name": "search"}</tool_call>')
+    assert [m["content"] for m in bad.messages] == ["error: exponent 999 is larger than 64", "error: no tool named 'search'; tools: calculator"]
+    assert (bad.tool_calls, bad.tool_errors) == (2, 2)
+    assert env.step("The answer is 156.").done
