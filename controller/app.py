@@ -135,9 +135,33 @@ def check_machine(cfg: RunConfig, learner: bool = True) -> None:
             f"{asked}, and this machine, where drpo starts a local Ray cluster, has {gpus} GPU(s): set them to 0 to run "
             "here, or join a cluster that has them (ray_address, or RAY_ADDRESS as `ray job submit` sets it)"
         )
-    problems += reward_problems(cfg.rollout.reward)
+    problems += reward_problems(cfg.rollout.reward) + environment_problems(cfg.rollout.environment)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _importable(load, path: str) -> list[str]:
+    """``load(path)``'s error as the workers would meet it (they run from this directory and import from it)."""
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        load(path)
+    except ImportError as err:
+        return [str(err)]
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    return []
+
+
+def environment_problems(environment) -> list[str]:
+    """An environment class a local cluster's workers could not import."""
+    if environment is None:
+        return []
+    from rollout.environment import load_environment
+
+    return _importable(load_environment, environment.path)
 
 
 def reward_problems(reward) -> list[str]:
@@ -148,16 +172,8 @@ def reward_problems(reward) -> list[str]:
     if isinstance(reward, PythonRewardConfig):
         from rollout.reward_functions import load_function
 
-        added = os.getcwd() not in sys.path  # the workers run from this directory and import from it
-        if added:
-            sys.path.insert(0, os.getcwd())
-        try:
-            load_function(reward.function)
-        except ImportError as err:
-            return [str(err)]
-        finally:
-            if added:
-                sys.path.remove(os.getcwd())
+        if problems := _importable(load_function, reward.function):
+            return problems
     if isinstance(reward, JudgeRewardConfig) and reward.api_key_env and not os.environ.get(reward.api_key_env):
         return [f"rollout.reward.api_key_env={reward.api_key_env!r} is not set in this environment, which the rollout workers inherit"]
     return []

@@ -83,7 +83,32 @@ class BatchBuilder:
         )
         spanning = sum(len(c.versions) > 0 and bool(c.versions.min() != c.versions.max()) for c in completions)
         metrics = {f"staleness/token_lag_hist/bin_{i}": float(c) for i, c in enumerate(counts)}
+        metrics |= episode_metrics(completions)
         return Batch(train, tuple(int(v) for v in per_group), {**metrics, "staleness/spanning_responses": float(spanning)})
+
+
+TRUNCATIONS = ("max_turns", "tokens")
+"""Why a budget cut an episode (rollout.environment: max_turns, max_episode_tokens)."""
+
+
+def episode_metrics(completions) -> dict[str, float]:
+    """Multi-turn episodes among ``completions`` (none: no metrics): means per episode of model turns,
+    tool calls, tool errors, environment seconds and environment reward; the share of response
+    tokens the environment inserted (context only); the share of episodes each budget cut."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    tokens = sum(len(c.response_ids) for c in completions if c.episode is not None)
+    inserted = tokens - sum(c.model_tokens for c in completions if c.episode is not None)
+    return {
+        "episode/turns_mean": sum(e.turns for e in episodes) / n, "episode/turns_max": float(max(e.turns for e in episodes)),
+        "episode/tool_calls_mean": sum(e.tool_calls for e in episodes) / n, "episode/tool_errors_mean": sum(e.tool_errors for e in episodes) / n,
+        "episode/environment_seconds_mean": sum(e.environment_seconds for e in episodes) / n,
+        "episode/environment_reward_mean": sum(e.environment_reward for e in episodes) / n,
+        "episode/environment_token_frac": inserted / max(1, tokens),
+        **{f"episode/truncated/{why}": sum(e.truncated == why for e in episodes) / n for why in TRUNCATIONS},
+    }
 
 
 def completion_batch(completions, pad_id: int = 0) -> TrainBatch:

@@ -248,6 +248,11 @@ class RunConfig(Section):
                 "learner.routing_replay needs the engine's routing; rollout.engine='sglang' does not record it "
                 "(hf does; vllm does on GPU, through its V2 model runner)"
             )
+        if self.learner.routing_replay and self.rollout.environment is not None:
+            raise ValueError(
+                "learner.routing_replay with rollout.environment: an episode's environment tokens were never routed by the "
+                "engine, so there is no routing to replay for them; turn one of them off"
+            )
         stall = self.train.stall_fail_seconds
         late = {k: v for k, v in (("engine_call_seconds", self.deadlines.engine_call_seconds),
                                   ("weight_load_seconds", self.deadlines.weight_load_seconds)) if stall and v >= stall}

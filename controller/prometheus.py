@@ -99,6 +99,15 @@ CATALOG: dict[str, Family] = {
     "drpo_eval_failed_prompts": Family("drpo_eval_failed_prompts", "gauge", "Eval prompts whose group failed, per set"),
     "drpo_eval_reward_errors": Family(
         "drpo_eval_reward_errors", "gauge", "Eval samples the reward could not score in the last evaluation (labels set, reason: error, timeout, invalid, unreachable)"),
+    "drpo_episode_turns_mean": Family("drpo_episode_turns_mean", "gauge", "Multi-turn episodes: model turns per trained episode, mean"),
+    "drpo_episode_turns_max": Family("drpo_episode_turns_max", "gauge", "Multi-turn episodes: model turns of the longest trained episode"),
+    "drpo_episode_tool_calls_mean": Family("drpo_episode_tool_calls_mean", "gauge", "Multi-turn episodes: tool calls per trained episode, mean"),
+    "drpo_episode_tool_errors_mean": Family("drpo_episode_tool_errors_mean", "gauge", "Multi-turn episodes: failed tool calls per trained episode, mean"),
+    "drpo_episode_environment_seconds_mean": Family("drpo_episode_environment_seconds_mean", "gauge", "Multi-turn episodes: seconds in the environment's steps per episode, mean"),
+    "drpo_episode_environment_reward_mean": Family("drpo_episode_environment_reward_mean", "gauge", "Multi-turn episodes: the environment's summed step rewards per episode, mean"),
+    "drpo_episode_environment_token_ratio": Family(
+        "drpo_episode_environment_token_ratio", "gauge", "Multi-turn episodes: share of response tokens the environment inserted (context only, not trained)"),
+    "drpo_episode_truncated_ratio": Family("drpo_episode_truncated_ratio", "gauge", "Multi-turn episodes: share of trained episodes a budget cut (label reason: max_turns, tokens)"),
     "drpo_step": Family("drpo_step", "gauge", "Training steps done"),
     "drpo_policy_version": Family("drpo_policy_version", "gauge", "Learner policy version"),
     "drpo_last_step_timestamp_seconds": Family("drpo_last_step_timestamp_seconds", "gauge", "Unix time of the last finished step (stall alerts)"),
@@ -148,6 +157,8 @@ def series(key: str) -> tuple[str, dict[str, str]] | None:
         return _eval_series(parts[1], parts[2])
     if key == "reward/accuracy":
         return "drpo_reward_accuracy_ratio", {}
+    if parts[0] == "episode" and len(parts) == 3 and parts[1] == "truncated":
+        return "drpo_episode_truncated_ratio", {"reason": parts[2]}
     if parts[0] == "reward" and len(parts) == 3 and parts[1] in ("errors", "component"):
         return f"drpo_reward_{parts[1]}", {"reason" if parts[1] == "errors" else "component": parts[2]}
     return _name(key), {}

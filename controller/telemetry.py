@@ -35,6 +35,19 @@ its trained samples (a gauge that is not rewritten would keep its last value), a
 counts over every group that arrived (reward/errors/<reason>)."""
 
 
+def turn_versions(c) -> list[list[int]]:
+    """An episode's model turns, each as the [oldest, newest] policy version of its tokens."""
+    mask = c.loss_mask.tolist()
+    turns, current = [], []
+    for model, v in zip(mask, c.versions.tolist()):
+        if model:
+            current.append(v)
+        elif current:
+            turns.append([min(current), max(current)])
+            current = []
+    return turns + ([[min(current), max(current)]] if current else [])
+
+
 def shown(value: float, digits: int) -> str:
     """A figure for the console: ``n/a`` where nothing was there to measure (NaN: no token with a
     nonzero advantage for a fraction over those tokens, no lag >= 1 token in a sync run)."""
@@ -113,6 +126,9 @@ class Telemetry:
                     "response": s.text, "response_ids": c.response_ids.tolist(), "reward": s.reward.value, "score": s.reward.score,
                     "reason": s.reward.reason, **({"reason_detail": s.reward.detail} if s.reward.detail else {}), "finish": c.finish_reason, "prompt_version": c.prompt_version,
                     "versions": [int(c.versions.min()), int(c.versions.max())] if len(c.versions) else None,
+                    **({"episode": {"turns": c.episode.turns, "tool_calls": c.episode.tool_calls, "tool_errors": c.episode.tool_errors,
+                                    "truncated": c.episode.truncated, "model_tokens": c.model_tokens, "messages": list(c.episode.messages),
+                                    "turn_versions": turn_versions(c)}} if c.episode is not None else {}),
                 }, allow_nan=True) + "\n")
         self._rollouts.flush()
 
@@ -130,7 +146,8 @@ class Telemetry:
         if g.reward_errors and not self._reward_error_shown:
             self._reward_error_shown = True
             first = g.reward_errors[0]
-            print(f"drpo train: reward {self.reward}: first sample it could not score ({first.reason}): {first.detail}", file=sys.stderr, flush=True)
+            who = "an environment" if (first.detail or "").startswith("environment ") else f"reward {self.reward}"  # rollout/episodes.py's failures
+            print(f"drpo train: {who}: first sample it could not score ({first.reason}): {first.detail}", file=sys.stderr, flush=True)
             self._write({"kind": "reward_error", "time": self.clock(), "reward": self.reward, "reason": first.reason, "error": first.detail})
 
     def step(self, r: StepReport) -> None:

@@ -70,6 +70,12 @@ DASHBOARDS = {
             ("drpo_reward_mean", "train reward"), ("drpo_reward_accuracy_ratio", "train accuracy"), ("drpo_eval_accuracy_ratio", "eval accuracy (first set)"),
         ], "percentunit"),
         ("reward components (mean over the step's samples)", [("drpo_reward_component", "{{component}}")], "none"),
+        ("multi-turn episodes: turns, tool calls and tool errors per episode", [
+            ("drpo_episode_turns_mean", "turns"), ("drpo_episode_tool_calls_mean", "tool calls"), ("drpo_episode_tool_errors_mean", "tool errors"),
+        ], "none"),
+        ("multi-turn episodes: environment tokens (context only) and truncation", [
+            ("drpo_episode_environment_token_ratio", "environment tokens"), ("drpo_episode_truncated_ratio", "truncated: {{reason}}"),
+        ], "percentunit"),
         ("reward: samples it could not score, and its seconds", [
             ("drpo_reward_errors", "{{reason}}"), ("drpo_reward_scoring_seconds", "scoring seconds"),
             ("drpo_eval_reward_errors", "eval {{set}} {{reason}}"),

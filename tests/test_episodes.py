@@ -132,3 +132,28 @@ def test_tool_calls_are_run_and_their_errors_go_back_to_the_model():
     assert [m["content"] for m in bad.messages] == ["error: exponent 999 is larger than 64", "error: no tool named 'search'; tools: calculator"]
     assert (bad.tool_calls, bad.tool_errors) == (2, 2)
     assert env.step("The answer is 156.").done
+
+
+def test_the_batch_trains_and_ages_the_models_tokens_only():
+    """An episode's environment tokens (here stamped with a nonsense version 0 and mu 0) are in the
+    rows as context but not in the response mask: neither the group's lag, the token-lag histogram
+    nor the advantages see them."""
+    from controller.batch_builder import BatchBuilder
+    from objectives.config import AdvantageConfig
+    from rollout.engine import Completion, Episode
+    from rollout.records import Group, Sample
+    from rollout.rewards import RewardResult
+
+    def episode(reward: float) -> Sample:
+        mask = torch.tensor([True, True, False, False, False, True])
+        c = Completion(torch.tensor([1, 2, 3]), torch.tensor([10, 11, 2, 198, 1, 12]), torch.tensor([-0.5, -0.4, 0.0, 0.0, 0.0, -0.3]),
+                       torch.tensor([4, 4, 0, 0, 0, 5]), "stop", 4, loss_mask=mask, episode=Episode(turns=2))
+        return Sample(c, "x", RewardResult(reward))
+
+    group = Group(TrainTicket(0, "p"), 0, (episode(1.0), episode(0.0)), 4, 1.0)
+    batch = BatchBuilder.build(AdvantageConfig(filter_zero_variance=False)).batch([group], version=6)
+    mask = batch.train.response_mask
+    assert mask[0].tolist() == [False] * 3 + [True, True, False, False, False, True]
+    assert batch.lags == (2,)  # version 6 minus the oldest model token's 4, not the environment's 0
+    assert batch.metrics["staleness/token_lag_hist/bin_2"] == 4 and batch.metrics["staleness/token_lag_hist/bin_1"] == 2
+    assert torch.all(batch.train.advantages[~mask] == 0) and batch.metrics["episode/environment_token_frac"] == 0.5

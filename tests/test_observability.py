@@ -19,7 +19,7 @@ import yaml
 
 from controller.app import train
 from learner.distributed import free_port
-from rollout.config import PythonRewardConfig
+from rollout.config import EnvironmentConfig, PythonRewardConfig
 from tests.prometheus_server import Prometheus, alert_rules, dashboard_queries, with_bool
 from tests.test_controller_e2e import run_config
 
@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def scraped_run(ray_local, tiny_chat_model, module_tmp):
     """A 6-step async run with the decoupled anchor (so the dashboards' pi-vs-pi_prox panels have data
-    too), a reward of one's own by import path (so the reward-component panel has data) and 1 s
-    scrapes; returns (prometheus, a time at which the run was live)."""
+    too), a reward of one's own by import path (so the reward-component panel has data), 2-turn
+    episodes with an environment of one's own (the episode panels) and 1 s scrapes; returns
+    (prometheus, a time at which the run was live)."""
     tmp = module_tmp("observed")
     metrics_port = free_port()
     prom = Prometheus(tmp, f"127.0.0.1:{metrics_port}", free_port())
@@ -39,7 +40,10 @@ def scraped_run(ray_local, tiny_chat_model, module_tmp):
     cfg = cfg.model_copy(update={
         "metrics": cfg.metrics.model_copy(update={"port": metrics_port, "linger_seconds": 4.0}),
         "eval": cfg.eval.model_copy(update={"every": 3}), "learner": cfg.learner.model_copy(update={"anchor": "decoupled"}),
-        "rollout": cfg.rollout.model_copy(update={"reward": PythonRewardConfig(function="tests.reward_fixtures:correct_and_length")}),
+        "rollout": cfg.rollout.model_copy(update={
+            "reward": PythonRewardConfig(function="tests.reward_fixtures:correct_and_length"),
+            "environment": EnvironmentConfig(path="tests.env_fixtures:Scripted", kwargs={"turns": 2, "reward": 0.0}, max_turns=3),
+        }),
     })
     try:
         train(cfg)
