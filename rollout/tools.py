@@ -94,8 +94,12 @@ class ToolEnvironment(Environment):
     def system_text(self) -> str:
         """What the model is told about the tools and the call format."""
         listed = "\n".join(json.dumps(describe(fn)) for fn in self.tools.values())
+        example = ""
+        if "calculator" in self.tools:
+            call = json.dumps({"name": "calculator", "arguments": {"expression": "12 * 13"}})
+            example = f"\nExample: to compute 12 times 13, write {self.open_tag}{call}{self.close_tag}"
         return (f"You can use tools. To call one, write {self.open_tag}{{\"name\": NAME, \"arguments\": {{...}}}}{self.close_tag} "
-                f"and wait for its result. When you know the answer, reply without a tool call.\nTools:\n{listed}")
+                f"and wait for its result. When you know the answer, reply without a tool call.\nTools:\n{listed}{example}")
 
     def reset(self, problem: Problem) -> list[dict] | None:
         if not self.instructions:

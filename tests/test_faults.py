@@ -213,8 +213,10 @@ def test_a_group_that_never_returns_is_reported_then_fails_the_run_by_name(ray_l
     (stall,) = records(run_dir, "stall")  # reported once, before the failure
     assert 3.0 <= stall["stalled_seconds"] < 10.0 and stall["step"] == len(records(run_dir, "step"))
     assert stall["waiting_for"].startswith("1 more accepted groups") and stall["learner"].startswith("idle")
-    (lost,) = stall["in_flight"]  # the group worker 0 never returned, named with its worker and age
-    assert lost["worker"] == 0 and lost["started"].startswith("version") and lost["age_seconds"] >= 3.0
+    # the group worker 0 never returned, named with its worker and age; in sync mode it was admitted
+    # after the last step ended (possibly as a refill for filtered groups), so its age is at most the stall's
+    (lost,) = stall["in_flight"]
+    assert lost["worker"] == 0 and lost["started"].startswith("version") and 0.0 < lost["age_seconds"] <= stall["stalled_seconds"]
     (worker,) = stall["workers"]
     assert worker["serves"] == stall["version"] and worker["loop_alive"] is True and worker["running"] == 0
     assert lost["ticket"] in str(err.value) and "worker 0" in str(err.value)
