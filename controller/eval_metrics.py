@@ -62,6 +62,11 @@ def set_summary(groups: list, ks: list[int]) -> dict:
     out.update({f"reward_errors_{why}": reasons.count(why) for why in FAILURES})
     if greedy:
         out["greedy"] = sum(g.scores[0] for g in greedy) / len(greedy)
+    episodes = [s.completion.episode for g in sampled + greedy for s in g.samples if s.completion.episode is not None]
+    if episodes:  # multi-turn evaluation (rollout.environment): turns and tool calls per episode
+        n = len(episodes)
+        out.update(turns_mean=sum(e.turns for e in episodes) / n, tool_calls_mean=sum(e.tool_calls for e in episodes) / n,
+                   tool_errors_mean=sum(e.tool_errors for e in episodes) / n)
     return out
 
 
@@ -71,5 +76,6 @@ def describe_set(start: dict, last: dict) -> str:
     label = lambda k: f"mean@{last.get('k', '?')}" if k == "mean_at_k" else k.replace("_at_", "@")  # noqa: E731
     parts = [f"{label(k)} {start[k]:.3f} → {last[k]:.3f}" if k in start else f"{label(k)} {last[k]:.3f}" for k in keys]
     errors = ", ".join(f"{why} {last[f'reward_errors_{why}']}" for why in FAILURES if last.get(f"reward_errors_{why}"))
-    return (", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated"
+    turns = f"; {last['turns_mean']:.1f} turns, {last['tool_calls_mean']:.2f} tool calls per episode" if "turns_mean" in last else ""
+    return (", ".join(parts) + f"; {last.get('response_tokens_mean', 0):.0f} tokens, {last.get('truncated_frac', 0):.2f} truncated" + turns
             + (f"; reward errors in the last evaluation: {errors}" if errors else ""))

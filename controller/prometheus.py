@@ -97,6 +97,9 @@ CATALOG: dict[str, Family] = {
     "drpo_eval_response_tokens": Family("drpo_eval_response_tokens", "gauge", "Eval response length per set (labels set, stat: mean, median, max)"),
     "drpo_eval_prompts": Family("drpo_eval_prompts", "gauge", "Prompts per eval set (labels set; failed ones in drpo_eval_failed_prompts)"),
     "drpo_eval_failed_prompts": Family("drpo_eval_failed_prompts", "gauge", "Eval prompts whose group failed, per set"),
+    "drpo_eval_episode_turns_mean": Family("drpo_eval_episode_turns_mean", "gauge", "Multi-turn evaluation: model turns per episode, mean (label set)"),
+    "drpo_eval_episode_tool_calls_mean": Family("drpo_eval_episode_tool_calls_mean", "gauge", "Multi-turn evaluation: tool calls per episode, mean (label set)"),
+    "drpo_eval_episode_tool_errors_mean": Family("drpo_eval_episode_tool_errors_mean", "gauge", "Multi-turn evaluation: failed tool calls per episode, mean (label set)"),
     "drpo_eval_reward_errors": Family(
         "drpo_eval_reward_errors", "gauge", "Eval samples the reward could not score in the last evaluation (labels set, reason: error, timeout, invalid, unreachable)"),
     "drpo_episode_turns_mean": Family("drpo_episode_turns_mean", "gauge", "Multi-turn episodes: model turns per trained episode, mean"),
@@ -174,7 +177,9 @@ def _eval_series(name: str, metric: str) -> tuple[str, dict[str, str]] | None:
     if metric.startswith("reward_errors_"):
         return "drpo_eval_reward_errors", {**labels, "reason": metric.removeprefix("reward_errors_")}
     family = {"mean_at_k": "drpo_eval_mean_at_k_ratio", "greedy": "drpo_eval_greedy_accuracy_ratio", "truncated_frac": "drpo_eval_truncated_ratio",
-              "answer_marker_frac": "drpo_eval_answer_marker_ratio", "prompts": "drpo_eval_prompts", "failed": "drpo_eval_failed_prompts"}.get(metric)
+              "answer_marker_frac": "drpo_eval_answer_marker_ratio", "prompts": "drpo_eval_prompts", "failed": "drpo_eval_failed_prompts",
+              "turns_mean": "drpo_eval_episode_turns_mean", "tool_calls_mean": "drpo_eval_episode_tool_calls_mean",
+              "tool_errors_mean": "drpo_eval_episode_tool_errors_mean"}.get(metric)
     return (family, labels) if family else None
 
 

@@ -72,6 +72,7 @@ DASHBOARDS = {
         ("reward components (mean over the step's samples)", [("drpo_reward_component", "{{component}}")], "none"),
         ("multi-turn episodes: turns, tool calls and tool errors per episode", [
             ("drpo_episode_turns_mean", "turns"), ("drpo_episode_tool_calls_mean", "tool calls"), ("drpo_episode_tool_errors_mean", "tool errors"),
+            ("drpo_eval_episode_turns_mean", "eval {{set}} turns"), ("drpo_eval_episode_tool_calls_mean", "eval {{set}} tool calls"),
         ], "none"),
         ("multi-turn episodes: environment tokens (context only) and truncation", [
             ("drpo_episode_environment_token_ratio", "environment tokens"), ("drpo_episode_truncated_ratio", "truncated: {{reason}}"),

@@ -338,11 +338,6 @@ class RolloutConfig(Section):
         "token prefix, the environment's messages appended as context-only tokens); None: one response per prompt. A bare "
         "'module:Class' is {path: 'module:Class'}.",
     )
-
-    @field_validator("environment", mode="before")
-    @classmethod
-    def _bare_path(cls, value):
-        return {"path": value} if isinstance(value, str) else value
     scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="Answer marker, verifier time bound, over-long shaping.")
     chaos: ChaosConfig | None = Field(None, description="Fault injection (tests); None = off.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker (it then loads the current weights before serving).")
@@ -355,6 +350,11 @@ class RolloutConfig(Section):
         None, min_length=1, description="Ray custom resource a node must declare to host rollout workers (each worker's bundle "
         "requests ROLE_RESOURCE_SHARE of it), e.g. rollout_node as deploy/kuberay/rayjob.yaml declares; None = any node.",
     )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _bare_path(cls, value):
+        return {"path": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> "RolloutConfig":

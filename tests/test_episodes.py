@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from rollout.tasks import Problem
 from rollout.tools import ToolEnvironment, ToolError, calculator
 
 pytestmark = [pytest.mark.engine]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +135,30 @@ def test_tool_calls_are_run_and_their_errors_go_back_to_the_model():
     assert [m["content"] for m in bad.messages] == ["error: exponent 999 is larger than 64", "error: no tool named 'search'; tools: calculator"]
     assert (bad.tool_calls, bad.tool_errors) == (2, 2)
     assert env.step("The answer is 156.").done
+
+
+def test_the_guides_retry_environment_tells_a_wrong_answer_and_ends_at_a_right_one(hf_engine, monkeypatch):
+    """examples/environment/retry.py, from its own folder as a user's module: a wrong answer gets the
+    feedback and a penalty, a right one ends the episode; through the engine, an episode ends at its
+    first right answer or runs to max_turns, with the feedback between its turns."""
+    monkeypatch.syspath_prepend(str(REPO / "examples" / "environment"))
+    from rollout.environment import load_environment
+
+    env = load_environment("retry:Retry")(penalty=0.25)
+    assert env.reset(Problem("p", "Ann has 3 apples and gets 4 more. How many?", "7")) is None
+    wrong = env.step("She has 8 apples.")
+    assert wrong.messages == [{"role": "user", "content": "That is not right. Check your work and try again."}] and wrong.reward == -0.25
+    assert env.step("3 + 4 = 7, so the answer is 7.").done
+    (out,) = run(generator(hf_engine, {"path": "retry:Retry", "kwargs": {"penalty": 0.1}, "max_turns": 3}, n=4),
+                 [Problem("p", "Ann has 3 apples and gets 4 more. How many?", "7")])
+    for c in out.completions:
+        answers = [m["content"] for m in c.episode.messages if m["role"] == "assistant"]
+        right = [env.step(a).done for a in answers]
+        assert c.episode.turns == len(answers) and not any(right[:-1])  # it ended at the first right answer, if any
+        assert [m["role"] for m in c.episode.messages] == ["user"] + ["assistant", "user"] * (len(answers) - 1) + ["assistant"]
+        # the environment judges every turn, the last too: a penalty per wrong answer
+        assert c.episode.environment_reward == pytest.approx(-0.1 * right.count(False))
+        assert c.episode.truncated == (None if right[-1] else "max_turns") and (right[-1] or len(answers) == 3)
 
 
 def test_the_batch_trains_and_ages_the_models_tokens_only():

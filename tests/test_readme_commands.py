@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from controller.config import load_config
+
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 DRPO = str(Path(sys.executable).parent / "drpo")
@@ -68,12 +70,16 @@ def test_every_readme_train_line_runs_simulated(tmp_path):
         if "--resume" not in words:
             cwd = tmp_path / f"line-{i}"
             cwd.mkdir()
-            (cwd / "controller").symlink_to(REPO / "controller")  # --config controller/presets/… as from the repo root
+            for folder in ("controller", "examples"):  # --config controller/presets/… or examples/… as from the repo root
+                (cwd / folder).symlink_to(REPO / folder)
         extra = [] if "train.steps" in " ".join(words) else ["--set", "train.steps=3"]
-        if "--config" in words:  # a cluster preset's run_dir and data are on shared storage: stand-ins here
+        if "--config" in words:
+            extra += ["--set", "run_dir=runs/default"]
+        if "--config" in words and load_config(cwd / words[words.index("--config") + 1]).task.type == "dataset":
+            # a cluster preset's data are on shared storage: stand-ins here
             rows = "".join(json.dumps({"id": f"q{k}", "prompt": f"What is {k} + 1?", "answer": str(k + 1)}) + "\n" for k in range(40))
             (cwd / "data.jsonl").write_text(rows)
-            extra += ["--set", "run_dir=runs/default", "--set", "task.train_path=data.jsonl", "--set", "task.test_path=data.jsonl",
+            extra += ["--set", "task.train_path=data.jsonl", "--set", "task.test_path=data.jsonl",
                       "--set", "eval.sets=[{name: aime-2024, path: data.jsonl}]"]
         run_dir = cwd / "runs" / "default"
         before = len(steps(run_dir)) if (run_dir / "metrics.jsonl").is_file() else 0

@@ -63,7 +63,8 @@ def test_async_episodes_span_publications_and_train_on_the_models_tokens_only(ti
         assert s.get("reward/component/environment", 0.2) == pytest.approx(0.2) and s["staleness/lag_max"] <= 1  # groups that arrived since the last step
     assert any("reward/component/environment" in s for s in steps)
     for evaluation in records(run_dir, "eval"):  # evaluation runs episodes too (at the start and the end)
-        assert evaluation["sets"]["heldout"]["samples"] > 0 and evaluation["sets"]["heldout"]["failed"] == 0
+        heldout = evaluation["sets"]["heldout"]
+        assert heldout["samples"] > 0 and heldout["failed"] == 0 and heldout["turns_mean"] == 3 and heldout["tool_calls_mean"] == 0
     episodes = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert len(episodes) == 4 * 2 * 4 and all(e["episode"]["turns"] == 3 for e in episodes)
     for e in episodes:
