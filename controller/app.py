@@ -142,26 +142,38 @@ def check_machine(cfg: RunConfig, learner: bool = True) -> None:
 
 def _importable(load, path: str) -> list[str]:
     """``load(path)``'s error as the workers would meet it (they run from this directory and import from it)."""
+    try:
+        _imported(load, path)
+    except ImportError as err:
+        return [str(err)]
+    return []
+
+
+def _imported(load, path: str):
+    """``load(path)`` with this directory on the path, as the workers import."""
     added = os.getcwd() not in sys.path
     if added:
         sys.path.insert(0, os.getcwd())
     try:
-        load(path)
-    except ImportError as err:
-        return [str(err)]
+        return load(path)
     finally:
         if added:
             sys.path.remove(os.getcwd())
-    return []
 
 
 def environment_problems(environment) -> list[str]:
-    """An environment class a local cluster's workers could not import."""
+    """An environment class a local cluster's workers could not import, or a tool of a
+    ToolEnvironment's ``kwargs.tools`` they could not."""
     if environment is None:
         return []
     from rollout.environment import load_environment
+    from rollout.tools import ToolEnvironment, load_tool
 
-    return _importable(load_environment, environment.path)
+    problems = _importable(load_environment, environment.path)
+    if problems or not issubclass(_imported(load_environment, environment.path), ToolEnvironment):
+        return problems
+    tools = environment.kwargs.get("tools", [])
+    return [p for tool in (tools if isinstance(tools, (list, tuple)) else [tools]) for p in _importable(load_tool, str(tool))]
 
 
 def reward_problems(reward) -> list[str]:

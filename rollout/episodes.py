@@ -160,10 +160,8 @@ class EpisodeRunner:
         r.finish = "length" if cut else c.finish_reason
         r.last_text = self.decode(ids)
         r.messages.append({"role": "assistant", "content": r.last_text})
-        if len(r.ids) >= self.config.max_episode_tokens:
-            r.truncated, r.done = "tokens", True
-            return
-        began = time.perf_counter()
+        spent = len(r.ids) >= self.config.max_episode_tokens
+        began = time.perf_counter()  # the environment judges every turn, one that spent the budget too
         try:
             step = self.episodes.step(r.env, r.last_text)
         except EnvironmentFailed as err:
@@ -176,6 +174,9 @@ class EpisodeRunner:
         r.reward += float(step.reward or 0.0)
         if step.done or not step.messages:
             r.done = True
+            return
+        if spent:
+            r.truncated, r.done = "tokens", True
             return
         if r.turns >= self.config.max_turns:
             r.truncated, r.done = "max_turns", True

@@ -20,8 +20,8 @@ import re
 from typing import Any, Callable
 
 from rollout.environment import Environment, StepResult
-from rollout.reward_functions import load_function
 from rollout.tasks import Problem
+from rollout.user_code import load
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
@@ -30,6 +30,13 @@ MAX_MAGNITUDE = 1e30
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def load_tool(path: str) -> Callable:
+    """A tool at ``package.module:function`` on this process's path; a clear error naming what is missing."""
+    if ":" not in path:
+        raise ImportError(f"rollout.environment.kwargs.tools: {path!r} is not 'package.module:function'")
+    return load(path, "rollout.environment.kwargs.tools", callable, "callable")
 
 
 class ToolError(ValueError):
@@ -55,6 +62,8 @@ def calculator(expression: str) -> str:
 def _evaluate(node: ast.AST) -> int | float:
     """Numbers and arithmetic only: a name, a call, an attribute or anything else is code and refused."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not abs(node.value) <= MAX_MAGNITUDE:
+            raise ToolError(f"number {node.value:g} is too large (more than {MAX_MAGNITUDE:g})")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
@@ -86,7 +95,7 @@ class ToolEnvironment(Environment):
     def __init__(self, tools: list[str] | tuple[str, ...] = ("rollout.tools:calculator",), open_tag: str = "<tool_call>",
                  close_tag: str = "</tool_call>", instructions: bool = True, max_calls_per_turn: int = 4):
         super().__init__()
-        self.tools = {fn.__name__: fn for fn in (load_function(t) for t in tools)}
+        self.tools = {fn.__name__: fn for fn in (load_tool(t) for t in tools)}
         self.open_tag, self.close_tag, self.instructions = open_tag, close_tag, instructions
         self.max_calls_per_turn = max_calls_per_turn
         self._call = re.compile(re.escape(open_tag) + r"(.*?)(?:" + re.escape(close_tag) + r"|$)", re.S)

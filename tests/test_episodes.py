@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,8 @@ def test_budgets_truncate_by_name(hf_engine):
     assert all(c.episode.truncated == "max_turns" and c.episode.turns == 2 for c in turns.completions)
     tokens = run(generator(hf_engine, {"path": "tests.env_fixtures:Scripted", "kwargs": {"turns": 9}, "max_episode_tokens": 20}), [Problem("p", "Hi", "1")])[0]
     assert all(c.episode.truncated == "tokens" and len(c.response_ids) <= 20 for c in tokens.completions)
+    # the environment judged the turn that spent the budget too: a step reward for every model turn
+    assert all(c.episode.environment_reward == pytest.approx(0.25 * c.episode.turns) for c in tokens.completions)
 
 
 def test_an_environment_that_raises_or_times_out_fails_its_episodes_by_name_and_the_group(hf_engine):
@@ -111,6 +114,12 @@ def test_a_missing_environment_is_named():
 
         load_environment("no_such_module:Env")
     assert RolloutConfig(environment="tests.env_fixtures:Scripted").environment == EnvironmentConfig(path="tests.env_fixtures:Scripted")
+    # before Ray starts, drpo train imports the class and, for tool calls, every tool
+    from controller.app import environment_problems
+
+    assert environment_problems(EnvironmentConfig(path="rollout.tools:ToolEnvironment", kwargs={"tools": ["rollout.tools:calculator"]})) == []
+    (problem,) = environment_problems(EnvironmentConfig(path="rollout.tools:ToolEnvironment", kwargs={"tools": ["my_tools:lookup"]}))
+    assert problem.startswith("rollout.environment.kwargs.tools='my_tools:lookup': cannot import 'my_tools'")
 
 
 def test_the_calculator_computes_and_refuses_code_huge_exponents_and_long_input_by_name():
@@ -119,9 +128,10 @@ def test_the_calculator_computes_and_refuses_code_huge_exponents_and_long_input_
         ("__import__('os').system('true')", "not code (Call)"), ("x + 1", "not code (Name)"), ("(1).real", "not code (Attribute)"),
         ("2 ** 1000", "exponent 1000 is larger than 64"), ("9 ** 9 ** 9", "exponent 387420489 is larger than 64"),
         ("1" * 201, "expression is 201 characters, more than 200"), ("1 / 0", "division by zero"), ("10**30 * 10**30", "result is too large"),
-        ("1 +", "not an arithmetic expression"), ("True + 1", "not code (Constant)"),
+        ("1 +", "not an arithmetic expression"), ("True + 1", "not code (Constant)"), ("1e400", "number inf is too large"),
+        ("2 * 1e40", "number 1e+40 is too large"),
     ):
-        with pytest.raises(ToolError, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        with pytest.raises(ToolError, match=re.escape(words)):
             calculator(expression)
 
 

@@ -1,6 +1,6 @@
 """An environment of one's own: the model answers a word problem; a wrong answer is told so and the
-model tries again, for at most rollout.environment.max_turns turns. Each retry costs `penalty`
-(a per-turn reward, summed and added to the episode's outcome reward)."""
+model tries again, for at most rollout.environment.max_turns turns. Each wrong answer, the last one
+included, costs `penalty` (a per-turn reward, summed and added to the episode's outcome reward)."""
 
 import re
 
