@@ -152,21 +152,45 @@ class EngineDied(RuntimeError):
 
 
 def private_folder(prefix: str, parent: str | None = None) -> str:
-    """A new folder ``{prefix}{pid}-<random suffix>`` (under ``parent``, default the temporary folder) that
-    ``Engine.close`` removes. A process killed before it closed its engine (a restart after a hung
-    call, a SIGKILL) cannot remove its own: each new one removes the folders of ``prefix`` whose
-    process is gone, so /dev/shm and the disk do not fill up over restarts."""
+    """A new folder ``{prefix}{pid}-<random suffix>`` (under ``parent``, default the temporary folder),
+    removed by ``remove_private_folder`` when its engine closes. A process killed before it closed its
+    engine (a restart after a hung call, a SIGKILL) cannot remove its own: each new folder and each
+    removal sweeps the folders of ``prefix`` whose process is gone, so /dev/shm and the disk do not
+    fill up over restarts."""
+    import tempfile
+
+    sweep_private_folders(prefix, parent)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
+def remove_private_folder(folder: str, prefix: str) -> None:
+    """Remove ``folder`` (made by ``private_folder`` with ``prefix``), and beside it the folders of
+    ``prefix`` whose process is gone: a killed worker's replacement may start while the dead
+    process is still being torn down, so the sweep at its start can miss the folder."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    sweep_private_folders(prefix, str(Path(folder).parent))
+
+
+def sweep_private_folders(prefix: str, parent: str | None = None) -> None:
+    """Remove the folders ``{prefix}{pid}-*`` under ``parent`` whose process has exited (a zombie
+    not yet reaped counts as exited)."""
     import shutil
     import tempfile
 
     import psutil
 
-    root = Path(parent or tempfile.gettempdir())
-    for old in root.glob(f"{prefix}*-*"):
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    for old in Path(parent or tempfile.gettempdir()).glob(f"{prefix}*-*"):
         pid = old.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if pid.isdigit() and gone(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
 
 class Engine(ABC):

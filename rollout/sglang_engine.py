@@ -56,16 +56,17 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 from typing import Iterable
 
 import torch
 
 from learner.weights.wire import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, private_folder, tensor_checksum
+from rollout.engine import Completion, Engine, Precision, SamplingParams, private_folder, remove_private_folder, tensor_checksum
 from rollout.fp8 import quantize_named, write_fp8_folder
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 
+FP8_SCRATCH_PREFIX = "drpo-sglang-fp8-"
+"""The folder of an fp8 copy of the model, on a host where SGLang quantizes it from ours."""
 SETTLE_QUIET_S = 0.02
 """After a load, the version is bumped once no token has arrived for this long (the scheduler is
 paused, so only tokens decoded before the pause are still on their way through the detokenizer)."""
@@ -89,7 +90,7 @@ class SGLangEngine(Engine):
         if precision == "fp8":  # SGLang loads the block-fp8 copy as an fp8 checkpoint
             if fp8_block != 128:  # DeepGEMM, SGLang's default fp8 GEMM on Hopper, assumes 128x128 tiles: its triton kernel takes others
                 os.environ.setdefault("SGLANG_ENABLE_JIT_DEEPGEMM", "0")
-            self._scratch = private_folder("drpo-sglang-fp8-")
+            self._scratch = private_folder(FP8_SCRATCH_PREFIX)
             served_folder = str(write_fp8_folder(model_folder, self._scratch, fp8_block))
         kwargs = dict(
             model_path=served_folder, dtype="float32" if precision == "fp32" else "bfloat16", random_seed=seed,
@@ -243,7 +244,7 @@ class SGLangEngine(Engine):
         finally:
             self._loop.close()
             if getattr(self, "_scratch", None):
-                shutil.rmtree(self._scratch, ignore_errors=True)
+                remove_private_folder(self._scratch, FP8_SCRATCH_PREFIX)
 
 
 # ---- SGLang's request/response format (pure; tests/test_sglang_bookkeeping.py) ------------------------------

@@ -55,13 +55,15 @@ from typing import Iterable
 import torch
 
 from learner.weights.wire import WeightBucket
-from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, private_folder, tensor_checksum
+from rollout.engine import Completion, Engine, Precision, SamplingParams, expert_count, fake_quantize_fp8, private_folder, remove_private_folder, tensor_checksum
 from rollout.inflight import EngineLoop, ServedWeights, TokenStream
 from rollout.routing import NOT_ROUTED
 
 EXTENSION = "rollout.vllm_engine.DrpoWorkerExtension"
 STAGING_DIR = "/dev/shm"
 """Where an object-store publication is staged for vLLM's worker: memory-backed where the host has it."""
+STAGING_PREFIX = "drpo-vllm-weights-"
+"""The staging folders' name (``{prefix}{pid}-*``, rollout/engine.py private_folder)."""
 CPU_KV_CACHE_GIB = 1.0
 """KV cache per engine on CPU when the config sets none (rollout.kv_cache_gib)."""
 CPU_MAX_BATCHED_TOKENS = 8192
@@ -280,8 +282,8 @@ class VLLMEngine(Engine):
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_model_len, CPU_MAX_BATCHED_TOKENS)
         self.served = ServedWeights(version)
-        self._tmp = private_folder("drpo-vllm-weights-", STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
-        self._disk_tmp = private_folder("drpo-vllm-weights-")  # when /dev/shm is too small (containers' default 64 MiB)
+        self._tmp = private_folder(STAGING_PREFIX, STAGING_DIR if os.path.isdir(STAGING_DIR) else None)
+        self._disk_tmp = private_folder(STAGING_PREFIX)  # when /dev/shm is too small (containers' default 64 MiB)
         self._ids = itertools.count()
         self.tokens_received = 0
         """Response tokens streamed back so far, over all requests (progress; tests use it)."""
@@ -447,8 +449,8 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         """Stop vLLM's engine-core process and the loop, and remove the staging folders (call it
         when no ``generate`` is running: one in flight would wait for a loop that has stopped)."""
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        shutil.rmtree(self._disk_tmp, ignore_errors=True)
+        for folder in (self._tmp, self._disk_tmp):
+            remove_private_folder(folder, STAGING_PREFIX)
         try:
             self.llm.shutdown()
         finally:

@@ -28,7 +28,10 @@ def run_config(tmp_path, model, **train) -> RunConfig:
 
 
 def records(run_dir, kind):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    """The run's metrics records of ``kind``, read while it may be writing: a last line not yet
+    ended (a record longer than one write) is left for the next read."""
+    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 ASYNC_STEPS = 4

@@ -29,7 +29,8 @@ def site(tmp_path_factory) -> Path:
     reference pages in its source; the checkout's must stay as committed for the test below)."""
     tmp = tmp_path_factory.mktemp("docs")
     shutil.copytree(REPO / "docs", tmp / "docs", ignore=shutil.ignore_patterns("_build"))
-    (tmp / "deploy").symlink_to(REPO / "deploy")  # a page includes deploy/README.md
+    for outside in ("deploy", "examples"):  # a page includes deploy/README.md; guides link example files
+        (tmp / outside).symlink_to(REPO / outside)
     done = build(tmp / "docs", tmp / "html")
     assert done.returncode == 0, done.stderr[-4000:]
     yield tmp / "html"

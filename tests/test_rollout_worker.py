@@ -109,6 +109,33 @@ def test_an_engines_private_folders_of_dead_processes_are_swept_by_the_next_one(
     assert not stale.exists() and live.is_dir() and other.is_dir()
 
 
+def test_closing_an_engine_sweeps_the_folders_of_a_worker_that_died_after_it_started(tmp_path):
+    """A killed worker's replacement can start while the dead process is still being torn down (a
+    zombie not yet reaped, as a loaded CI machine showed): the folders it left go when an engine
+    closes, and a zombie's count as gone."""
+    import subprocess
+    import sys
+    import time
+
+    from rollout.engine import private_folder, remove_private_folder
+
+    import psutil
+
+    mine = private_folder("drpo-vllm-weights-", str(tmp_path))
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, and is not reaped until the end
+    deadline = time.monotonic() + 30
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = tmp_path / f"drpo-vllm-weights-{zombie.pid}-ijkl"
+    left.mkdir()
+    live = tmp_path / f"drpo-vllm-weights-{os.getpid()}-mnop"
+    live.mkdir()
+    assert psutil.pid_exists(zombie.pid)  # what the sweep used to ask, and why the folder stayed
+    remove_private_folder(mine, "drpo-vllm-weights-")
+    zombie.wait()
+    assert not Path(mine).exists() and not left.exists() and live.is_dir()
+
+
 GATED_REWARD = '''
 import threading
 
