@@ -70,6 +70,9 @@ class HFEngine(Engine):
         self._running = threading.Event()
         self._running.set()
         self._routing = RoutingRecorder(self.model)  # MoE models: the experts each position was routed to
+        self.share_prefix = True
+        """Prefill the tokens every prompt of a call starts with (a chat template's system turn) once,
+        not once per prompt (evaluation calls hold many prompts: the prefill is most of their time)."""
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
@@ -141,8 +144,13 @@ class HFEngine(Engine):
         width = max(len(p) for p in prompts)
         # the prompts are prefilled once each; their KV cache and first logits are then repeated
         # for the n samples (each prompt's n rows are identical until the first sampled token)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        shared = self._shared_prefix(prompts)
+        # after a shared prefix, each prompt's rest is left-padded: the padding sits between the two
+        # (masked out, and the positions count only real tokens)
+        tails = [p[shared:] for p in prompts]
+        rest = max(len(t) for t in tails)
+        ids = torch.tensor([[self.pad_id] * (rest - len(t)) + list(t) for t in tails], device=self.device)
+        mask = torch.tensor([[1] * shared + [0] * (rest - len(t)) + [1] * len(t) for t in tails], device=self.device)
         seeds = params.row_seeds(len(prompts))
         gen = [torch.Generator().manual_seed(s) for s in seeds] if seeds is not None else None
         tokens, logps, versions, tops = [], [], [], []
@@ -157,6 +165,7 @@ class HFEngine(Engine):
             positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_input.shape[1]:]
             if step == 0:
                 prompt_version = self.version  # the prompts' KV, kept for the whole call
+                past = self._prefill_shared(prompts[0][:shared], len(prompts))
             out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
             past = getattr(out, self._cache_arg)
             logits = out.logits[:, -1]
@@ -177,6 +186,29 @@ class HFEngine(Engine):
             step_input = token[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return self._package(prompts, params, rows, tokens, logps, versions, tops, width, prompt_version)
+
+    def _shared_prefix(self, prompts: list[list[int]]) -> int:
+        """How many leading tokens every prompt of the call has in common, leaving each at least one
+        of its own (0: prefill each prompt whole; also for MoE routing replay, whose record is laid
+        out per prompt)."""
+        if not self.share_prefix or len(prompts) < 2 or self._routing.active:
+            return 0
+        first, shortest = prompts[0], min(len(p) for p in prompts)
+        shared = 0
+        while shared < shortest - 1 and all(p[shared] == first[shared] for p in prompts):
+            shared += 1
+        return shared
+
+    def _prefill_shared(self, prefix: list[int], copies: int):
+        """The KV cache of ``prefix``, computed once and repeated for ``copies`` prompts (None when empty)."""
+        if not prefix:
+            return None
+        ids = torch.tensor([prefix], device=self.device)
+        out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(len(prefix), device=self.device)[None],
+                         use_cache=True, **{self._cache_arg: None})
+        past = getattr(out, self._cache_arg)
+        past.batch_repeat_interleave(copies)
+        return past
 
     def _package(self, prompts, params, rows, tokens, logps, versions, tops, width: int, prompt_version: int) -> list[list[Completion]]:
         tokens, logps, versions = (torch.stack(x, 1).cpu() for x in (tokens, logps, versions))

