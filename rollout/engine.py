@@ -186,6 +186,8 @@ def sweep_private_folders(prefix: str, parent: str | None = None) -> None:
             return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
+        except psutil.AccessDenied:  # another user's process (/proc mounted hidepid): alive, not ours to judge
+            return False
 
     for old in Path(parent or tempfile.gettempdir()).glob(f"{prefix}*-*"):
         pid = old.name[len(prefix):].split("-", 1)[0]
