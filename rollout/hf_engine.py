@@ -141,7 +141,6 @@ class HFEngine(Engine):
         self.check_prompts(prompts)
         self._apply_pending()
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        width = max(len(p) for p in prompts)
         # the prompts are prefilled once each; their KV cache and first logits are then repeated
         # for the n samples (each prompt's n rows are identical until the first sampled token)
         shared = self._shared_prefix(prompts)
@@ -149,6 +148,7 @@ class HFEngine(Engine):
         # (masked out, and the positions count only real tokens)
         tails = [p[shared:] for p in prompts]
         rest = max(len(t) for t in tails)
+        width = shared + rest  # the longest prompt
         ids = torch.tensor([[self.pad_id] * (rest - len(t)) + list(t) for t in tails], device=self.device)
         mask = torch.tensor([[1] * shared + [0] * (rest - len(t)) + [1] * len(t) for t in tails], device=self.device)
         seeds = params.row_seeds(len(prompts))
