@@ -315,7 +315,7 @@ PRESET_DIFFERENCES = {
 
 def preset_differences(path: str | Path | None = None) -> dict[str, tuple[object, object]]:
     """Dotted field -> (the preset's value, the code default), where they differ; precision as the preset writes it."""
-    tree = yaml.safe_load(Path(path or PRESETS / "default.yaml").read_text())
+    tree = read_tree(Path(path or PRESETS / "default.yaml"))
     preset, code = validate(tree).model_dump(mode="json"), RunConfig().model_dump(mode="json")
     out: dict[str, tuple[object, object]] = {}
 
@@ -369,6 +369,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     """The preset at ``path`` (default: presets/default.yaml) with ``key=value`` overrides applied,
     ``precision: auto`` resolved for this machine (controller/hardware.py)."""
     path = Path(path) if path is not None else PRESETS / "default.yaml"
+    tree = read_tree(path)
+    for key, value in parse_overrides(list(overrides)):
+        _set_path(tree, key, value)
+    return resolve_precision(validate(tree, source=f"{path} with the --set overrides" if overrides else str(path)))
+
+
+def read_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The config file at ``path`` as a mapping, with ``extends: BASE`` resolved: BASE (a shipped
+    preset's name, or a YAML path relative to this file) is read the same way and this file's keys
+    are merged over it, mappings key by key, anything else (lists included) replaced."""
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except OSError as err:
@@ -377,9 +387,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise ConfigError(f"config {path} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
-    for key, value in parse_overrides(list(overrides)):
-        _set_path(tree, key, value)
-    return resolve_precision(validate(tree, source=f"{path} with the --set overrides" if overrides else str(path)))
+    base = tree.pop("extends", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config {path}: extends must name a preset or a YAML file, got {base!r}")
+    base_path = path.parent / base if base.endswith((".yaml", ".yml")) else PRESETS / f"{base}.yaml"
+    if not base_path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
+        raise ConfigError(f"config {path}: extends {base!r}: no file {base_path} (shipped presets: {shipped})")
+    if base_path.resolve() in _seen or base_path.resolve() == path.resolve():
+        raise ConfigError(f"config {path}: extends {base!r} comes back to a file it extends")
+    return _merged(read_tree(base_path, (*_seen, path.resolve())), tree)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate(tree: dict, source: str = "config") -> RunConfig:

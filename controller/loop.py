@@ -121,7 +121,6 @@ class Controller:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-
     @classmethod
     def build(
         cls, config: RunConfig, *, backend: Backend, train: list[Problem], evals: dict[str, list[Problem]], telemetry: Telemetry,
@@ -132,6 +131,7 @@ class Controller:
         ``stop``: polled between events; once requested, ``run`` winds down (see ``wind_down``)."""
         RunConfig.expect(config, "Controller")
         return cls(config, backend, train, evals, telemetry, stop)
+
     def run(self) -> None:
         """admit → generate → score → train → publish → evaluate → checkpoint, until the last step
         (or a stop is requested: then ``wind_down``)."""

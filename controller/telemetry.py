@@ -217,6 +217,7 @@ class Telemetry:
         if self._startup and not self._startup_written:
             self._startup_written = True
             self._write({"kind": "startup", "time": self.clock(), **self._startup, "total_seconds": sum(self._startup.values())})
+        self._since = self.clock()  # the first step's seconds start here: the first evaluation is start-up's
 
     def placement(self, nodes: dict[str, list[str]]) -> None:
         """Which Ray node each learner rank and rollout worker runs on."""

@@ -60,6 +60,9 @@ class HFEngine(Engine):
         self._eos = torch.tensor(self.eos_ids, device=self.device)
         # transformers renamed past_key_values to cache (the old name goes in 5.40); support both
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        # the prefill needs the last position's logits only: the vocabulary projection of every prompt
+        # position would cost a quarter of an evaluation call's prefill (64 prompts x 38 tokens x 49,152)
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         if precision == "fp8":
             self._load({k: v for k, v in self.model.state_dict().items()})
@@ -166,7 +169,7 @@ class HFEngine(Engine):
             if step == 0:
                 prompt_version = self.version  # the prompts' KV, kept for the whole call
                 past = self._prefill_shared(prompts[0][:shared], len(prompts))
-            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past})
+            out = self.model(input_ids=step_input, attention_mask=mask, position_ids=positions, use_cache=True, **{self._cache_arg: past}, **self._last_logits)
             past = getattr(out, self._cache_arg)
             logits = out.logits[:, -1]
             if step == 0 and params.n > 1:
@@ -205,7 +208,7 @@ class HFEngine(Engine):
             return None
         ids = torch.tensor([prefix], device=self.device)
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(len(prefix), device=self.device)[None],
-                         use_cache=True, **{self._cache_arg: None})
+                         use_cache=True, **{self._cache_arg: None}, **self._last_logits)
         past = getattr(out, self._cache_arg)
         past.batch_repeat_interleave(copies)
         return past

@@ -178,3 +178,23 @@ def test_code_defaults_equal_the_embedded_presets_except_where_a_reason_is_writt
     found = preset_differences()
     assert set(found) == set(PRESET_DIFFERENCES), {"undocumented": set(found) - set(PRESET_DIFFERENCES), "no longer different": set(PRESET_DIFFERENCES) - set(found)}
     assert found["train.mode"] == ("sync", "async") and found["learner.precision"] == ("auto", "fp32")
+
+
+def test_a_config_extends_a_preset_or_a_file_and_merges_its_mappings_key_by_key(tmp_path):
+    shipped = load_config(PRESETS / "trust-region.yaml")
+    default = load_config()
+    assert shipped.train.mini_batches == 2 and shipped.run_dir == "runs/trust-region"
+    assert shipped.model_dump(exclude={"train", "run_dir"}) == default.model_dump(exclude={"train", "run_dir"})
+    assert shipped.train.model_dump(exclude={"mini_batches"}) == default.train.model_dump(exclude={"mini_batches"})
+    (tmp_path / "base.yaml").write_text("extends: default\nrollout: {samples_per_prompt: 4}\neval: {sets: [{name: a, path: a.jsonl}]}\n")
+    (tmp_path / "run.yaml").write_text("extends: base.yaml\nrollout: {max_new_tokens: 8}\neval: {sets: []}\n")
+    cfg = load_config(tmp_path / "run.yaml", ["rollout.threads=1"])
+    assert (cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens, cfg.rollout.threads) == (4, 8, 1)  # merged over two levels
+    assert cfg.rollout.temperature == default.rollout.temperature and cfg.eval.sets == []  # kept from the preset; a list replaced
+    (tmp_path / "loop.yaml").write_text("extends: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="comes back to a file it extends"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "typo.yaml").write_text("extends: defualt\n")
+    with pytest.raises(ConfigError, match=r"extends 'defualt': no file .*defualt.yaml \(shipped presets: .*default"):
+        load_config(tmp_path / "typo.yaml")

@@ -126,12 +126,14 @@ def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
     assert "no step records (1 unreadable lines)" in capsys.readouterr().err
 
 
-def test_two_epochs_over_oversampled_sync_batches_make_drpo_act_on_policy(ray_local, tiny_chat_model, tmp_path):
-    """train.epochs 2: the second update of each batch sees pi moved by the first (fp32 on both sides,
-    so the first sees pi = mu up to float error), and DRPO's regularizer acts; train.oversample 2
+@pytest.mark.parametrize("updates", [{"epochs": 2, "oversample": 2.0}, {"mini_batches": 2}], ids=["2 epochs, oversampled", "2 mini-batches"])
+def test_two_updates_per_sync_batch_make_drpo_act_on_policy(ray_local, tiny_chat_model, tmp_path, updates):
+    """train.epochs 2 (each update sees the whole batch) or train.mini_batches 2 (each sees half; the
+    trust-region preset): the second update of each batch sees pi moved by the first (fp32 on both sides,
+    so the first sees pi = mu up to float error), and DRPO's regularizer acts; with train.oversample 2
     with the zero-variance filter on: each round asks for twice the missing groups, the batch takes
     B and the rest is ledgered as surplus. The summary says all of it."""
-    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, epochs=2, oversample=2.0)
+    cfg = run_config(tmp_path, tiny_chat_model, steps=3, mode="sync", max_staleness=0, **updates)
     ro = cfg.rollout
     cfg = cfg.model_copy(update={
         "eval": cfg.eval.model_copy(update={"every": 0}),
@@ -143,9 +145,11 @@ def test_two_epochs_over_oversampled_sync_batches_make_drpo_act_on_policy(ray_lo
     steps = records(tmp_path / "run", "step")
     assert [s["version"] for s in steps] == [1, 2, 3] and all(s["learner/updates"] == 2 and s["staleness/lag_max"] == 0 for s in steps)
     for s in steps:
-        assert s["gap/update_0/abs_shift_mean"] < 1e-4 < s["gap/update_1/abs_shift_mean"], s
+        # update 0: float error only (6e-6 to 1e-4 on this model); update 1: what the first update moved
+        assert s["gap/update_0/abs_shift_mean"] < 1e-3 and s["gap/update_1/abs_shift_mean"] > 10 * s["gap/update_0/abs_shift_mean"], s
         assert s["objective/regularizer_share"] > 0 and s["objective/weight_abs_dev_mean"] > 0
-    assert result.ledger_counts["trained"] == 3 * cfg.train.prompts_per_step and result.ledger_counts.get("surplus", 0) > 0
+    assert result.ledger_counts["trained"] == 3 * cfg.train.prompts_per_step
+    assert (result.ledger_counts.get("surplus", 0) > 0) == (cfg.train.oversample > 1)
     evals = records(tmp_path / "run", "eval")
     assert evals and all(e["seconds"] > 0 for e in evals)
     for row in ("updates per rollout batch", "|pi-mu| mean by update", "DRPO mean |w-1|, regularizer share", "evaluation seconds per round"):

@@ -140,11 +140,12 @@ def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(tiny_chat_m
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     drpo = [sys.executable, "-m", "controller.cli", "train"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    driver = subprocess.Popen([*drpo, "--config", str(config)], cwd=REPO, env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "driver.log"  # what the killed driver said, for a run that ends on its own
+    with log.open("w") as out:
+        driver = subprocess.Popen([*drpo, "--config", str(config)], cwd=REPO, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     checkpoints = Path(cfg.run_dir) / "checkpoints"
     when(lambda: (checkpoints / "step-000002" / "controller.json").is_file() or driver.poll() is not None)
-    assert driver.poll() is None, "the run ended before it could be killed"
+    assert driver.poll() is None, f"the run ended (exit {driver.returncode}) before it could be killed:\n{log.read_text()[-3000:]}"
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray cluster it started
     driver.wait()
     done = subprocess.run([*drpo, "--resume", cfg.run_dir], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

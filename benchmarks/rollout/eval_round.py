@@ -1,4 +1,4 @@
-"""One evaluation round of the embedded default, with and without a shared-prefix prefill (from the repo root):
+"""One evaluation round of the embedded default, as the hf engine runs it and without each of its two prefill savings (from the repo root):
 
     .venv/bin/python -m benchmarks.rollout.eval_round [--rounds 2]
 
@@ -9,6 +9,8 @@ picks on this CPU, with its threads. ``shared prefix``: the tokens every prompt 
 with (the chat template's system turn) are prefilled once per call; ``whole prompts``: each prompt
 is prefilled whole. The two alternate in one process on one engine, so both see the same machine;
 the samples are seeded per prompt, so both draw the same tokens unless a logit's last bits flip one.
+``all prompt logits``: the prefill projects every prompt position onto the vocabulary, not only the
+last one (which is all sampling needs). The modes alternate in one process on one engine.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def main() -> int:
     calls = [prompts[i : i + per_call] for i in range(0, len(prompts), per_call)]
     temperature = cfg.eval.temperature or rollout.temperature
 
-    def one_round(share: bool) -> tuple[float, list[list[int]]]:
-        engine.share_prefix = share
+    keep_last = engine._last_logits
+    modes = {"engine as it runs": (True, keep_last), "whole prompts": (False, keep_last), "all prompt logits": (True, {})}
+
+    def one_round(mode: str) -> tuple[float, list[list[int]]]:
+        engine.share_prefix, engine._last_logits = modes[mode]
         began = time.perf_counter()
         out = []
         for c, call in enumerate(calls):
@@ -53,22 +58,23 @@ def main() -> int:
         return time.perf_counter() - began, out
 
     engine.generate(calls[0][:2], SamplingParams(n=1, max_new_tokens=2))  # warm-up
-    seconds = {True: [], False: []}
+    seconds = {mode: [] for mode in modes}
     samples = {}
     for _ in range(args.rounds):
-        for share in (True, False):
-            s, samples[share] = one_round(share)
-            seconds[share].append(s)
-    shared, whole = statistics.median(seconds[True]), statistics.median(seconds[False])
-    engine.share_prefix = True
+        for mode in modes:
+            s, samples[mode] = one_round(mode)
+            seconds[mode].append(s)
+    engine.share_prefix, engine._last_logits = modes["engine as it runs"]
     prefix = engine._shared_prefix(calls[0])
-    same = sum(a == b for a, b in zip(samples[True], samples[False]))
     print(f"One evaluation round of the default: {len(prompts)} prompts in {len(calls)} calls of <= {per_call}, hf engine "
           f"{rollout.precision}, {rollout.threads} threads, <= {rollout.max_new_tokens} new tokens; median of {args.rounds} alternating rounds")
     print(f"  prompt tokens {statistics.mean(map(len, prompts)):.1f} mean, {prefix} shared by every prompt of a call")
-    print(f"  whole prompts   {whole:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[False])})")
-    print(f"  shared prefix   {shared:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[True])})   x{whole / shared:.2f} faster")
-    print(f"  samples equal token for token: {same} of {len(prompts)}")
+    base = statistics.median(seconds["engine as it runs"])
+    for mode in modes:
+        median = statistics.median(seconds[mode])
+        same = sum(a == b for a, b in zip(samples[mode], samples["engine as it runs"]))
+        print(f"  {mode:18} {median:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[mode])})  x{median / base:.2f} of the engine's time; "
+              f"{same} of {len(prompts)} samples equal to its")
     return 0
 
 
