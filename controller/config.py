@@ -126,7 +126,8 @@ class MetricsConfig(Section):
     progress: bool = Field(True, description="Live progress bar on stderr.")
     rollouts: bool = Field(
         False, description="Also write every trained sample to RUN_DIR/rollouts.jsonl (step, prompt id, epoch, sample index, "
-        "response text and ids, reward, verdict, finish, prompt version, first and last token version), like verl's rollout_data_dir.",
+        "prompt ids, response text and ids, reward, verdict, finish, prompt version, first and last token version; a "
+        "multi-turn episode's turns, messages and versions per turn), like verl's rollout_data_dir.",
     )
     linger_seconds: float = Field(0.0, ge=0.0, description="Keep the endpoint up this long after the run, for a last scrape.")
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(

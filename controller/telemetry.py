@@ -123,7 +123,7 @@ class Telemetry:
                 c = s.completion
                 self._rollouts.write(json.dumps({
                     "step": step, "prompt_id": g.ticket.id, "epoch": g.ticket.epoch, "sample": j,
-                    "response": s.text, "response_ids": c.response_ids.tolist(), "reward": s.reward.value, "score": s.reward.score,
+                    "prompt_ids": c.prompt_ids.tolist(), "response": s.text, "response_ids": c.response_ids.tolist(), "reward": s.reward.value, "score": s.reward.score,
                     "reason": s.reward.reason, **({"reason_detail": s.reward.detail} if s.reward.detail else {}), "finish": c.finish_reason, "prompt_version": c.prompt_version,
                     "versions": [int(c.versions.min()), int(c.versions.max())] if len(c.versions) else None,
                     **({"episode": {"turns": c.episode.turns, "tool_calls": c.episode.tool_calls, "tool_errors": c.episode.tool_errors,

@@ -276,11 +276,12 @@ class Engine(ABC):
         if not processes:
             self._chaos_dead = True
 
-    def chat_prompt(self, prompt: str | list[dict]) -> list[int]:
+    def chat_prompt(self, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a chat prompt (one user message, or a list of chat messages) with the
-        generation prompt appended."""
+        generation prompt appended; ``tools``: JSON schemas the chat template describes (its ``tools=``)."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @staticmethod

@@ -52,11 +52,21 @@ class Environment:
     """One episode's environment. Subclass it and override ``step`` (and ``reset`` to open with
     messages other than the problem's own); keyword arguments come from ``rollout.environment.kwargs``."""
 
+    template_tools: bool = False
+    """Whether this run's chat template describes tools itself (its ``tools=``, as Qwen's does); the
+    episode runner sets it before ``reset``, so an environment can leave the tools out of its own
+    messages and return them from ``tools`` instead."""
+
     def __init__(self, **kwargs: Any):
         self.kwargs = kwargs
 
     def reset(self, problem: Problem) -> list[dict] | None:
         """The opening messages of an episode on ``problem`` (None: the problem's chat messages)."""
+        return None
+
+    def tools(self) -> list[dict] | None:
+        """JSON schemas of the tools the chat template should describe in the opening prompt (asked
+        after ``reset``, and only when ``template_tools``); None: none."""
         return None
 
     def step(self, response: str) -> StepResult:

@@ -4,7 +4,9 @@ ends the episode, and that turn is the answer.
 
 The call format is Qwen's (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, JSON
 between the tags), which is what Qwen2.5/Qwen3 chat templates teach; other tags are configurable
-(``open_tag``/``close_tag``). Tools are Python functions by import path (``tools:
+(``open_tag``/``close_tag``). The tools are described to the model by the chat template where it
+renders a ``tools=`` list (as JSON schemas, in the template's own words), otherwise in a system
+message of ours (the format, the tools, an example call). Tools are Python functions by import path (``tools:
 ["package.module:function", ...]``): keyword arguments in, text (or a number) out; an exception is
 the tool's error, sent back to the model and counted. One built-in tool: ``calculator``.
 """
@@ -82,6 +84,22 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ToolError(f"only numbers and + - * / // % ** are allowed, not code ({type(node).__name__})")
 
 
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+               "str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array", "dict": "object"}
+
+
+def schema(fn: Callable) -> dict:
+    """A tool as a chat template's ``tools=`` takes it: an OpenAI-style function schema (name, the
+    docstring's first line, each parameter's JSON type; parameters without a default required)."""
+    params = inspect.signature(fn).parameters
+    properties = {name: {"type": _JSON_TYPES.get(p.annotation, "string")} for name, p in params.items()}
+    required = [name for name, p in params.items() if p.default is inspect.Parameter.empty]
+    return {"type": "function", "function": {
+        "name": fn.__name__, "description": (inspect.getdoc(fn) or "").split("\n")[0],
+        "parameters": {"type": "object", "properties": properties, "required": required},
+    }}
+
+
 def describe(fn: Callable) -> dict:
     """A tool as the model is told of it: name, description (the docstring's first line), parameters."""
     params = {name: (p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "any"))
@@ -95,23 +113,26 @@ class ToolEnvironment(Environment):
     def __init__(self, tools: list[str] | tuple[str, ...] = ("rollout.tools:calculator",), open_tag: str = "<tool_call>",
                  close_tag: str = "</tool_call>", instructions: bool = True, max_calls_per_turn: int = 4):
         super().__init__()
-        self.tools = {fn.__name__: fn for fn in (load_tool(t) for t in tools)}
+        self.tools_by_name = {fn.__name__: fn for fn in (load_tool(t) for t in tools)}
         self.open_tag, self.close_tag, self.instructions = open_tag, close_tag, instructions
         self.max_calls_per_turn = max_calls_per_turn
         self._call = re.compile(re.escape(open_tag) + r"(.*?)(?:" + re.escape(close_tag) + r"|$)", re.S)
 
     def system_text(self) -> str:
         """What the model is told about the tools and the call format."""
-        listed = "\n".join(json.dumps(describe(fn)) for fn in self.tools.values())
+        listed = "\n".join(json.dumps(describe(fn)) for fn in self.tools_by_name.values())
         example = ""
-        if "calculator" in self.tools:
+        if "calculator" in self.tools_by_name:
             call = json.dumps({"name": "calculator", "arguments": {"expression": "12 * 13"}})
             example = f"\nExample: to compute 12 times 13, write {self.open_tag}{call}{self.close_tag}"
         return (f"You can use tools. To call one, write {self.open_tag}{{\"name\": NAME, \"arguments\": {{...}}}}{self.close_tag} "
                 f"and wait for its result. When you know the answer, reply without a tool call.\nTools:\n{listed}{example}")
 
+    def tools(self) -> list[dict] | None:
+        return [schema(fn) for fn in self.tools_by_name.values()] if self.instructions else None
+
     def reset(self, problem: Problem) -> list[dict] | None:
-        if not self.instructions:
+        if not self.instructions or self.template_tools:  # none, or the chat template describes them (tools())
             return None
         messages = problem.chat_messages()
         if messages and messages[0]["role"] == "system":
@@ -139,9 +160,9 @@ class ToolEnvironment(Environment):
             raise ToolError(f"the tool call is not JSON ({err.msg})") from None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ToolError('the tool call needs {"name": ..., "arguments": {...}}')
-        fn = self.tools.get(call["name"])
+        fn = self.tools_by_name.get(call["name"])
         if fn is None:
-            raise ToolError(f"no tool named {call['name']!r}; tools: {', '.join(self.tools)}")
+            raise ToolError(f"no tool named {call['name']!r}; tools: {', '.join(self.tools_by_name)}")
         arguments = call.get("arguments", {})
         if not isinstance(arguments, dict):
             raise ToolError("arguments must be an object")

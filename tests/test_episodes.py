@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -145,6 +146,29 @@ def test_tool_calls_are_run_and_their_errors_go_back_to_the_model():
     assert [m["content"] for m in bad.messages] == ["error: exponent 999 is larger than 64", "error: no tool named 'search'; tools: calculator"]
     assert (bad.tool_calls, bad.tool_errors) == (2, 2)
     assert env.step("The answer is 156.").done
+
+
+def test_the_tools_are_described_by_a_chat_template_that_renders_them_and_by_a_system_message_otherwise(hf_engine, tiny_chat_model, tmp_path):
+    """A template with a tools= list (Qwen's layout) gets the calculator's JSON schema there and no
+    system message of ours; SmolLM2's template, which ignores tools=, gets our system message. The
+    tool results go back in the template's own form either way."""
+    from rollout.hf_engine import HFEngine
+    from rollout.tools import schema
+    from tests.env_fixtures import with_qwen_style_template
+
+    qwen = HFEngine(str(with_qwen_style_template(tiny_chat_model, tmp_path / "qwen-style")))
+    tools = {"path": "rollout.tools:ToolEnvironment"}
+    texts = {}
+    for name, engine in (("smollm2", hf_engine), ("qwen-style", qwen)):
+        (out,) = run(generator(engine, tools, n=1), [Problem("p", "What is 12 times 13?", "156")])
+        texts[name] = engine.tokenizer.decode(out.completions[0].prompt_ids)
+        assert ChatTurns(engine.tokenizer).renders_tools == (name == "qwen-style")
+    described = json.dumps(schema(calculator))
+    assert "<tools>" in texts["qwen-style"] and described in texts["qwen-style"] and "You can use tools" not in texts["qwen-style"]
+    assert "<tools>" not in texts["smollm2"] and "You can use tools" in texts["smollm2"] and '"name": "calculator"' in texts["smollm2"]
+    answer = qwen.tokenizer.decode(ChatTurns(qwen.tokenizer).appended([{"role": "tool", "content": "156"}]))
+    assert answer == "<|im_start|>user\n<tool_response>\n156\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert schema(calculator)["function"]["parameters"] == {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
 
 
 def test_the_guides_retry_environment_tells_a_wrong_answer_and_ends_at_a_right_one(hf_engine, monkeypatch):

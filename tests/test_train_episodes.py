@@ -97,3 +97,32 @@ def test_an_environment_that_fails_every_episode_stops_the_run_naming_it(tiny_ch
     assert "its environment failed on every sample (error): environment tests.env_fixtures:Raises: step raised KeyError: 'no such state'" in last
     assert "drpo train: an environment: first sample it could not score (error): environment tests.env_fixtures:Raises" in done.stderr
     assert not records(tmp_path / "run", "step")  # nothing was trained
+
+
+def test_a_chat_template_that_renders_tools_describes_the_calculator_in_drpo_train(tiny_chat_model, tmp_path):
+    """The built-in tool environment through `drpo train` on a model whose chat template renders a
+    tools= list (Qwen's layout): every trained sample's prompt carries the calculator's JSON schema
+    in the template's <tools> section, and none carries the system message used for templates without one."""
+    from transformers import AutoTokenizer
+
+    from rollout.tools import calculator, schema
+    from tests.env_fixtures import with_qwen_style_template
+
+    model = with_qwen_style_template(tiny_chat_model, tmp_path / "qwen-style")
+    cfg = run_config(tmp_path, model, steps=2, mode="sync", max_staleness=0).model_dump(mode="json")
+    cfg["rollout"]["environment"] = {"path": "rollout.tools:ToolEnvironment", "max_turns": 2, "max_episode_tokens": 32}
+    cfg["advantages"] = {**cfg.get("advantages", {}), "filter_zero_variance": False}
+    cfg["metrics"].update(port=None, rollouts=True)
+    cfg["eval"].update(every=0, at_start=False)
+    cfg["checkpoint"].update(every=0)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    done = drpo_train(tmp_path / "run.yaml", REPO, {})
+    assert done.returncode == 0, done.stderr[-4000:]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 4 and all(s["episode"]["turns"] >= 1 for s in samples)
+    described = json.dumps(schema(calculator))
+    for s in samples:
+        prompt = tokenizer.decode(s["prompt_ids"])
+        assert "<tools>" in prompt and described in prompt and "You can use tools" not in prompt, prompt
+        assert s["episode"]["messages"][0]["role"] == "user"  # the opening is the problem's own: the template added the tools
