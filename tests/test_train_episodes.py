@@ -16,20 +16,24 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
 MODULE = '''
+import time
+
 from rollout.environment import Environment, StepResult
 
 
 class Quiz(Environment):
-    """Asks the model to check its answer until it has answered `turns` times; a reward of 0.1 per check."""
+    """Asks the model to check its answer until it has answered `turns` times; a reward of 0.1 per check.
+    Each answer takes `think` seconds (a checker's or a tool's latency): an episode outlasts a learner step."""
 
-    def __init__(self, turns=3):
+    def __init__(self, turns=3, think=0.0):
         super().__init__()
-        self.turns, self.seen = turns, 0
+        self.turns, self.seen, self.think = turns, 0, think
 
     def reset(self, problem):
         return [{"role": "system", "content": "Answer, then check when asked."}, *problem.chat_messages()]
 
     def step(self, response):
+        time.sleep(self.think)
         self.seen += 1
         if self.seen >= self.turns:
             return StepResult(done=True)
@@ -37,12 +41,12 @@ class Quiz(Environment):
 '''
 
 
-def episode_run(tmp_path: Path, model, steps: int, **rollout) -> tuple[Path, object]:
+def episode_run(tmp_path: Path, model, steps: int, think: float = 0.0, **rollout) -> tuple[Path, object]:
     mine = tmp_path / "my_envs"
     mine.mkdir()
     (mine / "quiz.py").write_text(MODULE)
     cfg = run_config(tmp_path, model, steps=steps).model_dump(mode="json")
-    cfg["rollout"].update(environment={"path": "quiz:Quiz", "kwargs": {"turns": 3}, "max_turns": 3, "max_episode_tokens": 96}, **rollout)
+    cfg["rollout"].update(environment={"path": "quiz:Quiz", "kwargs": {"turns": 3, "think": think}, "max_turns": 3, "max_episode_tokens": 96}, **rollout)
     cfg["advantages"] = {**cfg.get("advantages", {}), "filter_zero_variance": False}  # the tiny model scores 0: train every group
     cfg["metrics"].update(port=None, rollouts=True)
     cfg["eval"].update(every=0, at_start=True)
@@ -54,7 +58,9 @@ def episode_run(tmp_path: Path, model, steps: int, **rollout) -> tuple[Path, obj
 
 
 def test_async_episodes_span_publications_and_train_on_the_models_tokens_only(tiny_chat_model, tmp_path):
-    run_dir, done = episode_run(tmp_path, tiny_chat_model, steps=4)
+    # each environment step takes 0.1 s, so the episodes admitted ahead (eta 1) are still running
+    # when the learner publishes (16 of 32 spanned one here): their later turns are sampled by the newer weights
+    run_dir, done = episode_run(tmp_path, tiny_chat_model, steps=4, think=0.1)
     steps = records(run_dir, "step")
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and steps[-1]["ledger/trained"] == 4 * 2  # the ledger is exact
     for s in steps:

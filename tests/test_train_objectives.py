@@ -60,8 +60,12 @@ def test_objective_trains_two_steps_through_drpo_train(ray_local, tiny_chat_mode
         else:
             assert not any(k.startswith("gap/proximal/") for k in s)
     if objectives.required_topk(cfg.learner.objective):
-        # the engine's top-K reached the learner: the divergence is measured on every response token
-        assert all(math.isfinite(s["objective/divergence_mean"]) and s["objective/divergence_mean"] > 0 for s in steps)
+        # the engine's top-K reached the learner: the divergence is measured on every response token;
+        # sync is on-policy with fp32 on both sides, where it is float error only (either sign), and a
+        # top-K that did not line up with the learner's (other ids, zero rows) would be far from 0
+        divergence = [s["objective/divergence_mean"] for s in steps]
+        assert all(math.isfinite(d) for d in divergence)
+        assert all(abs(d) < 1e-4 for d in divergence) if mode == "sync" else all(d > 0 for d in divergence)
 
 
 class RecordingBackend(RayBackend):
