@@ -46,17 +46,24 @@ class ChatTurns:
                              "content, so an episode cannot be continued token by token")
         self.closing = tail[len(content):]
         """The template's tokens after an assistant turn's content (e.g. <|im_end|> and a newline)."""
-        self.renders_tools = self._renders_tools()
-        """The template describes a ``tools=`` list itself (Qwen2.5/Qwen3 do; SmolLM2's does not)."""
+        self.tools_text = self._tools_text()
+        """What the template says about a ``tools=`` list ("" when it renders none: SmolLM2's; Qwen2.5/Qwen3's do)."""
+        self.renders_tools = bool(self.tools_text)
 
-    def _renders_tools(self) -> bool:
+    def _tools_text(self) -> str:
         probe = {"type": "function", "function": {"name": "drpo_probe_tool", "description": "probe",
                                                   "parameters": {"type": "object", "properties": {}}}}
         try:
             text = self.tokenizer.apply_chat_template(self._BASE[:1], tools=[probe], add_generation_prompt=True, tokenize=False)
         except Exception:  # noqa: BLE001 - a template that refuses tools does not render them
-            return False
-        return "drpo_probe_tool" in text
+            return ""
+        return text if "drpo_probe_tool" in text else ""
+
+    def teaches(self, env) -> bool:
+        """The template describes tools and, for an environment with a call tag (``open_tag``), teaches
+        that tag: a template with another call format (Llama 3's bare JSON) leaves the tools to the environment."""
+        tag = getattr(env, "open_tag", None)
+        return self.renders_tools and (not isinstance(tag, str) or tag in self.tools_text)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         return _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True))
@@ -136,12 +143,13 @@ class EpisodeRunner:
         """A new episode on ``problem``: its environment and opening prompt (raises EnvironmentFailed
         or ValueError for a bad opening, which fails the submission)."""
         env = self.episodes.call(self.episodes.new)
+        template_tools = self.turns.teaches(env)
         try:
-            env.template_tools = self.turns.renders_tools  # an environment of one's own need not subclass Environment
+            env.template_tools = template_tools  # an environment of one's own need not subclass Environment
         except AttributeError:
             pass
         opening = self.episodes.call(env.reset, problem) or problem.chat_messages()
-        tools = self.episodes.call(env.tools) if self.turns.renders_tools and callable(getattr(env, "tools", None)) else None
+        tools = self.episodes.call(env.tools) if template_tools and callable(getattr(env, "tools", None)) else None
         return _Run(env, self.engine.chat_prompt(opening, tools=tools), seed, [dict(m) for m in opening])
 
     def run(self, runs: list[list[_Run]], params: SamplingParams) -> list[list[Completion]]:

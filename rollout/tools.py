@@ -19,6 +19,8 @@ import json
 import math
 import operator
 import re
+import types
+import typing
 from typing import Any, Callable
 
 from rollout.environment import Environment, StepResult
@@ -88,11 +90,23 @@ _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", 
                "str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array", "dict": "object"}
 
 
+def _json_type(annotation) -> str:
+    """An annotation's JSON type ("int", int, Optional[int] and list[str] included; "string" when unknown)."""
+    if isinstance(annotation, str):
+        annotation = annotation.strip("\"' ").replace("Optional[", "").split("[")[0].split("|")[0].strip()
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), str)
+        origin = typing.get_origin(annotation)
+    return _JSON_TYPES.get(origin or annotation, "string")
+
+
 def schema(fn: Callable) -> dict:
     """A tool as a chat template's ``tools=`` takes it: an OpenAI-style function schema (name, the
     docstring's first line, each parameter's JSON type; parameters without a default required)."""
-    params = inspect.signature(fn).parameters
-    properties = {name: {"type": _JSON_TYPES.get(p.annotation, "string")} for name, p in params.items()}
+    params = {name: p for name, p in inspect.signature(fn).parameters.items()
+              if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
+    properties = {name: {"type": _json_type(p.annotation)} for name, p in params.items()}
     required = [name for name, p in params.items() if p.default is inspect.Parameter.empty]
     return {"type": "function", "function": {
         "name": fn.__name__, "description": (inspect.getdoc(fn) or "").split("\n")[0],

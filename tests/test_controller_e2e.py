@@ -146,7 +146,7 @@ def test_two_updates_per_sync_batch_make_drpo_act_on_policy(ray_local, tiny_chat
     assert [s["version"] for s in steps] == [1, 2, 3] and all(s["learner/updates"] == 2 and s["staleness/lag_max"] == 0 for s in steps)
     for s in steps:
         # update 0: float error only (6e-6 to 1e-4 on this model); update 1: what the first update moved
-        assert s["gap/update_0/abs_shift_mean"] < 1e-3 and s["gap/update_1/abs_shift_mean"] > 10 * s["gap/update_0/abs_shift_mean"], s
+        assert s["gap/update_0/abs_shift_mean"] < 1e-3 and s["gap/update_1/abs_shift_mean"] > max(1e-4, 10 * s["gap/update_0/abs_shift_mean"]), s
         assert s["objective/regularizer_share"] > 0 and s["objective/weight_abs_dev_mean"] > 0
     assert result.ledger_counts["trained"] == 3 * cfg.train.prompts_per_step
     assert (result.ledger_counts.get("surplus", 0) > 0) == (cfg.train.oversample > 1)

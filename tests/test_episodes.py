@@ -169,6 +169,18 @@ def test_the_tools_are_described_by_a_chat_template_that_renders_them_and_by_a_s
     answer = qwen.tokenizer.decode(ChatTurns(qwen.tokenizer).appended([{"role": "tool", "content": "156"}]))
     assert answer == "<|im_start|>user\n<tool_response>\n156\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert schema(calculator)["function"]["parameters"] == {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}
+    # a template whose tool format is not the environment's tags leaves the tools to our system message
+    other = ToolEnvironment(open_tag="<call>", close_tag="</call>")
+    assert ChatTurns(qwen.tokenizer).teaches(ToolEnvironment()) and not ChatTurns(qwen.tokenizer).teaches(other)
+    (out,) = run(generator(qwen, {"path": "rollout.tools:ToolEnvironment", "kwargs": {"open_tag": "<call>", "close_tag": "</call>"}}, n=1),
+                 [Problem("p", "What is 12 times 13?", "156")])
+    text = qwen.tokenizer.decode(out.completions[0].prompt_ids)
+    assert "<tools>" not in text and "You can use tools. To call one, write <call>" in text
+
+    def lookup(term: str, limit: "int | None" = None, *rest, **options) -> str:
+        """Look a term up."""
+    assert schema(lookup)["function"]["parameters"] == {
+        "type": "object", "properties": {"term": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["term"]}
 
 
 def test_the_guides_retry_environment_tells_a_wrong_answer_and_ends_at_a_right_one(hf_engine, monkeypatch):

@@ -1,5 +1,6 @@
 """Every way the presets and README offer to run drpo, for real: the shipped presets (the embedded
-default, word-problems, and cluster-gpu reduced to fit this machine), the engines (hf, vLLM's CPU
+default, trust-region, word-problems, and cluster-gpu reduced to fit this machine; tools is
+test_train_episodes'), the engines (hf, vLLM's CPU
 build), sync/async and object-store/broadcast weight sync, each run training 2 steps through the
 same config loading as `drpo train` (the preset file plus `--set` overrides), with its evaluations
 and checkpoints, on one shared tiny model (the one vLLM's CPU attention accepts). Each run must

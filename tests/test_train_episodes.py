@@ -126,7 +126,7 @@ def test_a_chat_template_that_renders_tools_describes_the_calculator_in_drpo_tra
     assert done.returncode == 0, done.stderr[-4000:]
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 * 2 * 4 and all(s["episode"]["turns"] >= 1 for s in samples)
+    assert len(samples) == 2 * 2 * 4 and all(s["episode"]["tool_calls"] == 0 and s["episode"]["turns"] == 1 for s in samples)  # the tiny model writes digits only
     described = json.dumps(schema(calculator))
     for s in samples:
         prompt = tokenizer.decode(s["prompt_ids"])
