@@ -393,7 +393,7 @@ def read_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
         return tree
     if not isinstance(base, str) or not base:
         raise ConfigError(f"config {path}: extends must name a preset or a YAML file, got {base!r}")
-    base_path = path.parent / base if base.endswith((".yaml", ".yml")) else PRESETS / f"{base}.yaml"
+    base_path = path.parent / base if base.endswith((".yaml", ".yml")) or "/" in base else PRESETS / f"{base}.yaml"
     if not base_path.is_file():
         shipped = ", ".join(sorted(p.stem for p in PRESETS.glob("*.yaml")))
         raise ConfigError(f"config {path}: extends {base!r}: no file {base_path} (shipped presets: {shipped})")
