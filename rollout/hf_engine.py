@@ -58,11 +58,12 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_folder)
         self.eos_ids = self._eos_ids()
         self._eos = torch.tensor(self.eos_ids, device=self.device)
+        forward = inspect.signature(self.model.forward).parameters
         # transformers renamed past_key_values to cache (the old name goes in 5.40); support both
-        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         # the prefill needs the last position's logits only: the vocabulary projection of every prompt
         # position would cost a quarter of an evaluation call's prefill (64 prompts x 38 tokens x 49,152)
-        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         if precision == "fp8":
             self._load({k: v for k, v in self.model.state_dict().items()})

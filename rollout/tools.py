@@ -86,14 +86,14 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ToolError(f"only numbers and + - * / // % ** are allowed, not code ({type(node).__name__})")
 
 
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
-               "str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array", "dict": "object"}
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_BY_NAME = {t.__name__: t for t in _JSON_TYPES}  # annotations as text (from __future__ import annotations)
 
 
 def _json_type(annotation) -> str:
     """An annotation's JSON type ("int", int, Optional[int] and list[str] included; "string" when unknown)."""
     if isinstance(annotation, str):
-        annotation = annotation.strip("\"' ").replace("Optional[", "").split("[")[0].split("|")[0].strip()
+        annotation = _BY_NAME.get(annotation.strip("\"' ").replace("Optional[", "").split("[")[0].split("|")[0].strip())
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), str)

@@ -49,7 +49,7 @@ def shrink(preset: str, model: Path, run_dir: Path, data: Path) -> list[str]:
             f"task.train_path={data / 'dapo.jsonl'}", f"eval.sets=[{{name: aime-2024, path: {data / 'aime.jsonl'}}}]",
             "eval.samples_per_prompt=2", "eval.pass_k=[1, 2]", "rollout.max_prompt_tokens=256",
         ]
-    if preset in ("default", "trust-region"):  # their wording and range eval sets too, 2 prompts each
+    if load_config(PRESETS / f"{preset}.yaml").task.type == "arithmetic":  # its wording and range eval sets too, 2 prompts each
         return [*common, "task.train_size=16", "task.test_size=2", "task.extra_eval_size=2"]
     return [*common, "task.train_size=16", "task.test_size=2"]
 
