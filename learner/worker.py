@@ -11,6 +11,7 @@ import torch
 
 from learner import checkpoint, distributed
 
+from learner.heap import keep_freed_memory
 from learner.weights import wire
 from learner.weights.broadcast import Membership
 from learner.config import LearnerConfig
@@ -27,6 +28,8 @@ class LearnerWorker:
         self.cfg = LearnerConfig.expect(cfg, "LearnerWorker")
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
+        if not torch.cuda.is_available():
+            keep_freed_memory()  # a CPU step reuses the last one's pages instead of faulting them in again
         self.learner: Learner | None = None
         self._broadcast = Membership()
         self._listener = None

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from learner.heap import keep_freed_memory
 from rollout.chaos import Chaos
 from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineDied
@@ -53,6 +54,8 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.max_batch_prompts = config.max_batch_prompts
         self.chaos = Chaos.build(config.chaos, worker_id=worker_id)
+        if not config.gpus_per_worker:
+            keep_freed_memory()  # an engine on the CPU reuses its freed buffers' pages (learner/heap.py)
         self.engine = Engine.build(config, model_folder=model_folder, topk_logprobs=topk_logprobs, record_routing=record_routing)
         self.generator = Generator.build(
             config, engine=self.engine, chaos=self.chaos, topk_logprobs=topk_logprobs, seed=seed, eval_temperature=eval_temperature,

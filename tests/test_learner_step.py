@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -14,6 +16,8 @@ from learner.config import LearnerConfig, OptimizerConfig
 from learner.batch import TrainBatch
 from learner.learner import Learner
 from objectives.config import DRPOConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -188,6 +192,50 @@ def test_weight_buckets_are_bounded_and_reassemble_to_hf_weights(megatron_single
         wire.assemble([out[1], out[0]])
     with pytest.raises(ValueError, match="final bucket"):
         wire.assemble(out[:-1])
+
+
+def test_a_pickled_bucket_carries_its_tensors_out_of_band_and_comes_back_bit_exact():
+    """Ray's object store pickles buckets with protocol 5: each tensor must travel as an out-of-band
+    buffer (mapped by the consumer without a copy), whatever its dtype, shape or layout."""
+    import pickle
+
+    tensors = {
+        "w": torch.randn(6, 4), "bf16": torch.randn(5).bfloat16(), "fp8": torch.randn(3, 2).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5), "transposed": torch.randn(3, 2).t(), "empty": torch.zeros(0, 4),
+    }
+    bucket = wire.WeightBucket(5, 2, True, tensors)
+    buffers = []
+    data = pickle.dumps(bucket, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(tensors) and len(data) < 4096  # the bytes went out of band, not into the pickle
+    back = pickle.loads(data, buffers=buffers)
+    assert (back.version, back.index, back.last) == (5, 2, True) and back.tensors.keys() == tensors.keys()
+    for name, t in tensors.items():
+        got = back.tensors[name]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), name
+    assert pickle.loads(pickle.dumps(bucket)).tensors["bf16"].equal(tensors["bf16"])  # in-band (older protocols) too
+
+
+def test_keep_freed_memory_keeps_a_freed_tensors_pages_mapped():
+    """learner/heap.py in a fresh process: after it, freeing a 256 MiB tensor leaves the process's
+    resident size where it was (the pages are kept for the next step); glibc's default unmaps them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from learner.heap import keep_freed_memory\n"
+        "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
+        "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024\n"
+        "x = torch.ones(64 * 2**20); before = rss(); del x\n"
+        "print(kept, before - rss())\n"
+    )
+    dropped = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True, cwd=REPO)
+        kept, mib = out.stdout.split()
+        dropped[mode] = int(mib)
+        assert kept == ("True" if mode == "keep" else "None")
+    assert dropped["default"] >= 200 and dropped["keep"] < 16, dropped
 
 
 def test_bad_batches_are_rejected_with_the_field_name():

@@ -1,19 +1,23 @@
 """Learner benchmarks, side by side in one run (from the repo root):
 
-    .venv/bin/python -m benchmarks.learner.run [--rounds 2] [--only step|publish]
+    .venv/bin/python -m benchmarks.learner.run [--rounds 2] [--only preset|heap|gap|step|publish]
 
 1. The default preset's learner step (``--only preset``): SmolLM2-135M, 8 groups x 8 samples, each
    the chat-templated arithmetic prompt (~60 tokens) and a response of 4 to 16 tokens, DRPO; fp32
    vs bf16 and packing none (right-padded rows, micro-batches of 16) vs shared_prompt (a group's
    prompt once, micro-batches of 4096 token slots). Seconds per step and peak RSS, each variant in
    fresh processes, interleaved; ratios against today's fp32 / none.
-2. The lag-0 numerics gap (``--only gap``): mean and max |pi - mu| for {fp32, bf16 learner} x
+2. glibc's allocator (``--only heap``): the default preset's learner step (its first and later
+   steps) and one hf engine call of 8 prompts x 8 samples, at the precision ``auto`` picks,
+   with the allocator as it comes and told to keep freed memory (learner/heap.py), fresh
+   processes, interleaved.
+3. The lag-0 numerics gap (``--only gap``): mean and max |pi - mu| for {fp32, bf16 learner} x
    {fp32, bf16, fp8 hf engine} on completions of the default task.
-3. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
+4. Train step on SmolLM2-135M, 8 sequences x 256 tokens (the last 192 of each scored), fp32, DRPO:
    drpo's megatron-core Learner (chunked log-probs, micro-batches of 4) next to the same step done
    with a plain transformers LlamaForCausalLM and torch autograd (full logits, log_softmax, the same
    DRPO loss, AdamW). Tokens/s and peak RSS, each variant in fresh processes, interleaved.
-4. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
+5. Weight publication of SmolLM2-135M (HF names, 512 MB buckets) to 2 consumers: over a
    WeightBroadcastGroup (gloo here, NCCL on GPU) and through Ray's object store.
 """
 
@@ -261,6 +265,66 @@ def _print_preset(rounds: int, steps: int) -> None:
         )
 
 
+def _heap_job(spec: dict) -> dict:
+    """The default preset's learner step and one rollout engine call (8 prompts x n = 8, <= 16
+    tokens), at the precision ``auto`` picks here, with glibc's allocator as it comes or told to
+    keep freed memory (learner/heap.py; what drpo's CPU actors do)."""
+    import torch
+
+    torch.set_num_threads(2)
+    from controller.hardware import auto_precision
+    from learner import distributed
+    from learner.config import LearnerConfig, OptimizerConfig
+    from learner.heap import keep_freed_memory
+    from learner.learner import Learner
+    from objectives.config import DRPOConfig
+    from rollout.engine import SamplingParams
+    from rollout.hf_engine import HFEngine
+    from rollout.offline_model import materialize_smollm2
+    from rollout.tasks import arithmetic_split
+
+    if spec["keep"] and not keep_freed_memory():
+        raise RuntimeError("this C library takes no mallopt settings")
+    precision = auto_precision(0)
+    folder = materialize_smollm2()
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.2), optimizer=OptimizerConfig(lr=1e-6), precision=precision, packing="shared_prompt")
+    distributed.init(cfg.parallel, 0, 1, master_port=distributed.free_port())
+    learner = Learner.build(cfg, model_folder=folder)
+    batch = _preset_batch(folder, learner.arch.vocab_size)
+    first = time.perf_counter()
+    learner.train(batch)
+    first = time.perf_counter() - first
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        learner.train(batch)
+        times.append(time.perf_counter() - t0)
+    del learner
+    engine = HFEngine(str(folder), precision=precision, num_threads=2)
+    prompts = [engine.chat_prompt(p.prompt) for p in arithmetic_split("train", 8)]
+    engine.generate(prompts[:2], SamplingParams(n=1, max_new_tokens=2))
+    calls = []
+    for c in range(spec["steps"]):
+        t0 = time.perf_counter()
+        engine.generate(prompts, SamplingParams(n=8, max_new_tokens=16, seed=c))
+        calls.append(time.perf_counter() - t0)
+    return {"first": first, "seconds": statistics.median(times), "generate": statistics.median(calls), "precision": precision}
+
+
+def _print_heap(rounds: int, steps: int) -> None:
+    specs = {"glibc as it comes": {"keep": False, "steps": steps}, "freed memory kept": {"keep": True, "steps": steps}}
+    res = interleaved_medians("benchmarks.learner.run", "heap", specs, rounds, ("first", "seconds", "generate"))
+    print(f"glibc's allocator in the CPU actors: the default preset's learner step and one engine call (8 prompts x 8 samples, "
+          f"<= 16 tokens); medians of {rounds} interleaved rounds of fresh processes, {steps} steps and calls each")
+    base = res["glibc as it comes"]
+    for label, r in res.items():
+        if "error" in r:
+            print(f"  {label:18s} {r['error']}")
+            continue
+        print(f"  {label:18s} first step {r['first']:6.2f} s, later steps {r['seconds']:6.2f} s (x{base['seconds'] / r['seconds']:.2f}), "
+              f"engine call {r['generate']:5.2f} s (x{base['generate'] / r['generate']:.2f})")
+
+
 def _gap_job(spec: dict) -> dict:
     """Lag-0 numerics gap |pi - mu| on the default task: completions sampled by the hf engine at
     each precision (8 prompts x 8 samples x <= 16 tokens, T = 1), pi from an fp32 and a bf16
@@ -311,7 +375,7 @@ def _print_gap() -> None:
         print(f"  {pair:28s} mean {r['mean']:.5f}   max {r['max']:.4f}")
 
 
-JOBS = {"step": _step_job, "publish": _publish_job, "preset": _preset_job, "gap": _gap_job}
+JOBS = {"step": _step_job, "publish": _publish_job, "preset": _preset_job, "gap": _gap_job, "heap": _heap_job}
 
 
 def main() -> int:
@@ -319,7 +383,7 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only", choices=["preset", "gap", "step", "publish"])
+    parser.add_argument("--only", choices=["preset", "gap", "step", "publish", "heap"])
     args = parser.parse_args()
     if args.worker:
         kind, spec = args.worker
@@ -327,6 +391,8 @@ def main() -> int:
         return 0
     if args.only in (None, "preset"):
         _print_preset(args.rounds, args.steps)
+    if args.only in (None, "heap"):
+        _print_heap(args.rounds, args.steps)
     if args.only in (None, "gap"):
         _print_gap()
     if args.only in (None, "step"):

@@ -10,6 +10,7 @@ broadcast group (broadcast.py), on CPU and GPU alike.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -34,6 +35,27 @@ class WeightBucket:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __reduce__(self):
+        """Pickled (Ray's object store), each tensor travels as its bytes in a numpy array, which
+        pickle protocol 5 carries out of band: Ray copies it into the store once and a consumer's
+        ``ray.get`` maps it without a copy. A torch tensor would be copied on both sides (measured
+        ~10x slower for a 0.54 GB publication). Any dtype (bf16, fp8) travels as bytes."""
+        flat = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                for name, t in self.tensors.items()]
+        return _rebuild_bucket, (self.version, self.index, self.last, flat)
+
+
+def _rebuild_bucket(version: int, index: int, last: bool, flat: list) -> WeightBucket:
+    """A WeightBucket from ``__reduce__``'s form: each tensor a view of its received bytes. The
+    bytes may be read-only (Ray's object store maps them so); consumers only read them (they copy
+    into their own weights), so torch's warning about a non-writable array is silenced."""
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, dtype, shape, data in flat:
+            tensors[name] = torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+    return WeightBucket(version, index, last, tensors)
 
 
 @dataclass(frozen=True)
