@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from learner.batch import TrainBatch
 from rollout.records import Group, Started, Ticket
-from rollout.tasks import Problem
+from rollout.scheduler import Submission
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ class Backend(ABC):
         """Seconds on the backend's clock (wall clock, or simulated)."""
 
     @abstractmethod
-    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
-        """Queue one prompt for ``n`` samples on ``worker`` under ``ticket``; returns at once."""
+    def submit(self, worker: int, items: list[Submission]) -> None:
+        """Queue (ticket, problem, n) prompts, each for ``n`` samples, on ``worker``, together (the
+        worker sees them all queued at once); returns at once."""
 
     @abstractmethod
     def cancel_queued(self) -> list[Ticket]:

@@ -28,6 +28,7 @@ from controller.stop import StopRequest
 from controller.telemetry import StepReport, Telemetry
 from controller.watchdog import Watchdog, stall_account
 from rollout.records import EvalTicket, Group, TrainTicket
+from rollout.scheduler import Submission
 from rollout.tasks import Problem
 
 class RolloutsFailing(RuntimeError):
@@ -159,6 +160,7 @@ class Controller:
     def admit(self) -> None:
         live = [w for w in range(len(self.load)) if self.backend.available(w)]
         quota = self._round_quota()
+        admitted: dict[int, list[Submission]] = {}
         while live and quota != 0 and self.staleness.try_admit() is not None:
             quota -= 1
             ticket = self.sampler.next()
@@ -167,7 +169,14 @@ class Controller:
             self.in_flight[ticket] = _Flight(worker, admitted=self.backend.now())
             self.drawn[ticket] = self.draws
             self.draws += 1
-            self.backend.submit(worker, ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt)
+            admitted.setdefault(worker, []).append((ticket, self.problems[ticket.id], self.cfg.rollout.samples_per_prompt))
+        self._submit(admitted)
+
+    def _submit(self, per_worker: dict[int, list[Submission]]) -> None:
+        """One submission per worker of everything admitted at once: its engine sees them all
+        queued together and generates them in one call, not the first alone."""
+        for worker, items in per_worker.items():
+            self.backend.submit(worker, items)
 
     def _round_quota(self) -> int:
         """Prompts this admission may start; -1: as many as the staleness bound allows. Sync
@@ -187,8 +196,7 @@ class Controller:
             self.telemetry.worker_event("back", worker, self.backend.worker_version(worker))
         if events.revived and self.eval_waiting:  # evaluation prompts that waited for a live worker
             waiting, self.eval_waiting = self.eval_waiting, []
-            for ticket in waiting:
-                self._submit_eval(ticket)
+            self._submit_evals(waiting)
         for s in events.started:
             flight = self.in_flight.get(s.ticket) if isinstance(s.ticket, TrainTicket) else None
             if flight is not None:
@@ -209,8 +217,7 @@ class Controller:
             self.staleness.on_cancelled()
         self.sampler.requeue(tickets)
         self.load[worker] = 0
-        for ticket in [t for t, w in self.eval_pending.items() if w == worker]:
-            self._submit_eval(ticket)
+        self._submit_evals([t for t, w in self.eval_pending.items() if w == worker])
 
     def _start_bound(self, flight: _Flight) -> int:
         """A lower bound on the version of a running group's oldest token: the version it started
@@ -333,25 +340,31 @@ class Controller:
         rnd = self.eval_rounds
         self.eval_rounds += 1
         modes = (False, True) if self.cfg.eval.greedy else (False,)
-        tickets = [EvalTicket(rnd, p.id, name, greedy) for name, ps in self.eval_sets.items() for greedy in modes for p in ps]
+        # every set's sampled prompts, then every set's greedy ones: a worker's engine call takes a
+        # run of queued prompts with one decoding, so the sets share calls
+        tickets = [EvalTicket(rnd, p.id, name, greedy) for greedy in modes for name, ps in self.eval_sets.items() for p in ps]
         self.evals[rnd] = _Eval(self.version, len(tickets), self.backend.now())
-        for ticket in tickets:
-            self._submit_eval(ticket)
+        self._submit_evals(tickets)
         while blocking and rnd in self.evals and not self.stop.requested:
             self.handle(self.backend.wait())
 
-    def _submit_eval(self, ticket: EvalTicket) -> None:
+    def _submit_evals(self, tickets: list[EvalTicket]) -> None:
+        """Spread evaluation prompts over the live workers, each to the one with the fewest pending."""
         live = [w for w in range(self.backend.workers) if self.backend.available(w)]
         if not live:  # every worker is restarting: a submission now would be dropped by its restart's reset
-            self.eval_waiting.append(ticket)
+            self.eval_waiting += tickets
             return
         queued = [0] * self.backend.workers
         for w in self.eval_pending.values():
             queued[w] += 1
-        worker = min(live, key=queued.__getitem__)
-        self.eval_pending[ticket] = worker
-        n = 1 if ticket.greedy else self.cfg.eval.samples_per_prompt
-        self.backend.submit(worker, ticket, self.eval_problems[(ticket.set, ticket.id)], n)
+        per_worker: dict[int, list[Submission]] = {}
+        for ticket in tickets:
+            worker = min(live, key=queued.__getitem__)
+            queued[worker] += 1
+            self.eval_pending[ticket] = worker
+            n = 1 if ticket.greedy else self.cfg.eval.samples_per_prompt
+            per_worker.setdefault(worker, []).append((ticket, self.eval_problems[(ticket.set, ticket.id)], n))
+        self._submit(per_worker)
 
     def _eval_result(self, g: Group | None, rnd: int | None = None) -> None:
         """Record an evaluation group (the first to arrive for its ticket), or with ``g`` None only
@@ -375,7 +388,7 @@ class Controller:
         record = {
             "round": rnd, "step": self.step, "version": ev.version, "accuracy": first["mean_at_k"], "samples": first["samples"],
             "prompts": first["prompts"], "failed": first["failed"], "min_version": min(versions, default=None),
-            "seconds": self.backend.now() - ev.began, "sets": sets,
+            "seconds": self.backend.now() - ev.began, "engine_calls": round(sum(1 / g.call_prompts for g in ev.results)), "sets": sets,
         }
         self.eval_history.append(record)
         self.telemetry.evaluation(record)

@@ -26,7 +26,7 @@ from learner.group import LearnerGroup, LearnerTimeout, late_refs
 from learner.host import check_host
 from learner.placement import PlacementError, role_bundle, wait_placed
 from rollout.records import Ticket
-from rollout.tasks import Problem
+from rollout.scheduler import Submission
 from rollout.worker import RolloutWorker
 
 HEARTBEAT_SECONDS = 5.0
@@ -214,8 +214,8 @@ class RayBackend(Backend):
     def now(self) -> float:
         return time.monotonic()
 
-    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
-        self.actors[worker].submit.remote(ticket, problem, n)
+    def submit(self, worker: int, items: list[Submission]) -> None:
+        self.actors[worker].submit.remote(items)
 
     def cancel_queued(self) -> list[Ticket]:
         taken = []

@@ -23,8 +23,8 @@ from controller.config import SimulationConfig
 from learner.batch import TrainBatch
 from rollout.engine import Completion
 from rollout.records import Group, Sample, Started, Ticket
+from rollout.scheduler import Submission
 from rollout.rewards import RewardResult
-from rollout.tasks import Problem
 
 PROMPT_TOKENS = 4
 """Prompt length of a synthetic sample."""
@@ -75,11 +75,12 @@ class SimulatedBackend(Backend):
     def available(self, worker: int) -> bool:
         return not self._down[worker]
 
-    def submit(self, worker: int, ticket: Ticket, problem: Problem, n: int) -> None:
+    def submit(self, worker: int, items: list[Submission]) -> None:
         if self._down[worker]:
             raise RuntimeError(f"submit to worker {worker}, which is down")
-        self._queues[worker].append((ticket, n))
-        self._start_next(worker)
+        for ticket, _, n in items:
+            self._queues[worker].append((ticket, n))
+            self._start_next(worker)
 
     def _completion(self, version: int) -> Completion:
         """One synthetic response sampled at ``version`` (records are immutable, so one per version is shared)."""

@@ -362,7 +362,8 @@ class Telemetry:
             rows += self._reward_rows()
         if self.evals:  # this session's rounds: each record came through evaluation(), with its seconds
             seconds, wall = [e["seconds"] for e in self.evals], self.clock() - self._began
-            rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds, "
+            calls = sum(e["engine_calls"] for e in self.evals) / len(self.evals)
+            rows.append(("evaluation seconds per round", f"{sum(seconds) / len(seconds):.1f} ({len(seconds)} rounds of {calls:.0f} engine calls, "
                                                          f"{sum(seconds) / max(wall, 1e-9):.0%} of the {wall:.0f} s since the engines were up)"))
         rows.append(("ledger", ", ".join(f"{k} {v}" for k, v in sorted(ledger.items())) or "empty"))
         rows.append(("run folder", str(self.run_dir)))

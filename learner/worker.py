@@ -9,9 +9,8 @@ import time
 import ray
 import torch
 
+from cpu.allocator import keep_freed_memory
 from learner import checkpoint, distributed
-
-from learner.heap import keep_freed_memory
 from learner.weights import wire
 from learner.weights.broadcast import Membership
 from learner.config import LearnerConfig

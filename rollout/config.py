@@ -317,6 +317,10 @@ class RolloutConfig(Section):
     max_batch_prompts: int = Field(
         8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
     )
+    max_eval_rows: int | None = Field(
+        None, ge=1, description="Rows (prompts x samples) of one evaluation engine call; None: a training call's rows "
+        "(max_batch_prompts x samples_per_prompt). Larger calls amortize each decoding step over more prompts.",
+    )
     reward: RewardConfig = Field(
         default_factory=LiteralRewardConfig, description="The reward, by type: literal (the answer must be a number equal to the "
         "ground truth), math_verify (math-verify equivalence), python (a function of one's own by import path), http (a "

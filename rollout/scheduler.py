@@ -34,9 +34,11 @@ class Inbox:
         self._closed = False
         self._ahead = 0  # training calls served while evaluation waited
 
-    def put(self, item: Submission) -> None:
+    def put(self, items: list[Submission]) -> None:
+        """Queue submissions together: the next ``take`` sees all of them."""
         with self._cond:
-            self._queues[isinstance(item[0], EvalTicket)].append(item)
+            for item in items:
+                self._queues[isinstance(item[0], EvalTicket)].append(item)
             self._cond.notify()
 
     def qsize(self) -> int:
@@ -55,9 +57,10 @@ class Inbox:
             self._queues[1].clear()
             return items
 
-    def take(self, limit) -> list[Submission] | None:
+    def take(self, rows: int, eval_rows: int | None = None) -> list[Submission] | None:
         """Block for the next submissions to generate together: the head of the first non-empty
-        queue and what follows it with the same n and decoding, at most ``limit(n)``; None once closed."""
+        queue and what follows it with the same n and decoding, as many prompts as fill ``rows``
+        engine rows (``eval_rows`` for evaluation; None: ``rows``) and at least one; None once closed."""
         with self._cond:
             while not self._closed and not any(self._queues):
                 self._cond.wait()
@@ -69,8 +72,9 @@ class Inbox:
             else:
                 q, self._ahead = evaluation, 0
             n, key = q[0][2], call_key(q[0])
+            limit = max(1, ((eval_rows or rows) if q is evaluation else rows) // n)
             count = 1
-            while count < min(len(q), limit(n)) and call_key(q[count]) == key:
+            while count < min(len(q), limit) and call_key(q[count]) == key:
                 count += 1
             batch = q[:count]
             del q[:count]

@@ -20,9 +20,9 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from learner.heap import keep_freed_memory
+from cpu.allocator import keep_freed_memory
 from rollout.chaos import Chaos
 from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineDied
@@ -53,9 +53,10 @@ class RolloutWorker:
         RolloutConfig.expect(config, "RolloutWorker")
         self.worker_id = worker_id
         self.max_batch_prompts = config.max_batch_prompts
+        self.max_eval_rows = config.max_eval_rows
         self.chaos = Chaos.build(config.chaos, worker_id=worker_id)
         if not config.gpus_per_worker:
-            keep_freed_memory()  # an engine on the CPU reuses its freed buffers' pages (learner/heap.py)
+            keep_freed_memory()  # an engine on the CPU reuses its freed buffers' pages (cpu/allocator.py)
         self.engine = Engine.build(config, model_folder=model_folder, topk_logprobs=topk_logprobs, record_routing=record_routing)
         self.generator = Generator.build(
             config, engine=self.engine, chaos=self.chaos, topk_logprobs=topk_logprobs, seed=seed, eval_temperature=eval_temperature,
@@ -90,11 +91,12 @@ class RolloutWorker:
         return cls(config, model_folder=model_folder, worker_id=worker_id, topk_logprobs=topk_logprobs, seed=seed,
                    eval_temperature=eval_temperature, record_routing=record_routing)
 
-    def submit(self, ticket: Ticket, problem: Problem, n: int | None = None) -> int:
-        """Queue one problem for ``n`` samples (default the sampling's) under ``ticket``; returns the
-        queue depth. Training prompts are generated before queued evaluation prompts, so an
-        evaluation runs on rollout capacity the next training step does not need."""
-        self._inbox.put((ticket, problem, n or self.generator.sampling.n))
+    def submit(self, items: list[tuple[Ticket, Problem, int | None]]) -> int:
+        """Queue (ticket, problem, n) prompts, each for n samples (None: the sampling's), together,
+        so one engine call can take them all; returns the queue depth. Training prompts are
+        generated before queued evaluation prompts, so an evaluation runs on rollout capacity the
+        next training step does not need."""
+        self._inbox.put([(ticket, problem, n or self.generator.sampling.n) for ticket, problem, n in items])
         return self._inbox.qsize()
 
     def reset(self) -> None:
@@ -183,9 +185,9 @@ class RolloutWorker:
                     print(f"rollout worker {self.worker_id}: closing {type(part).__name__} failed: {type(err).__name__}: {err}", flush=True)
 
     def _loop(self) -> None:
-        rows = self.max_batch_prompts * self.generator.sampling.n  # an engine call's rows: evaluation (n = 1) batches more prompts
+        rows = self.max_batch_prompts * self.generator.sampling.n  # a training call's rows
         while True:
-            batch = self._inbox.take(lambda n: max(1, rows // n))
+            batch = self._inbox.take(rows, self.max_eval_rows)
             if batch is None:
                 self._to_score.put(None)
                 return
@@ -205,7 +207,7 @@ class RolloutWorker:
             if item is None:
                 return
             generated, version, prompts = item
-            groups = self.chaos.lose([self._graded(g, version) for g in generated])
+            groups = self.chaos.lose([replace(self._graded(g, version), call_prompts=prompts) for g in generated])
             with self._lock:
                 self._in_flight -= prompts
                 self._outbox.extend(groups)

@@ -83,7 +83,7 @@ def test_a_sample_over_the_bound_that_reaches_the_learner_raises(tmp_path):
     backend = ctl.backend
     backend._serving[0] = 2  # the worker still serves version 2
     problem = next(iter(ctl.problems.values()))
-    backend.submit(0, TrainTicket(0, problem.id), problem, 4)
+    backend.submit(0, [(TrainTicket(0, problem.id), problem, 4)])
     groups = []
     while not groups:
         groups = backend.wait().groups
@@ -228,10 +228,9 @@ class _Rounds(SimulatedBackend):
         super().__init__(*args, **kwargs)
         self.submitted: list[float] = []
 
-    def submit(self, worker, ticket, problem, n):
-        if isinstance(ticket, TrainTicket):
-            self.submitted.append(self.now())
-        super().submit(worker, ticket, problem, n)
+    def submit(self, worker, items):
+        self.submitted += [self.now() for ticket, _, _ in items if isinstance(ticket, TrainTicket)]
+        super().submit(worker, items)
 
 
 def test_sync_oversampling_fills_filtered_batches_from_the_surplus_instead_of_refill_rounds(tmp_path):

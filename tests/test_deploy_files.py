@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,8 @@ def test_the_image_recipe_matches_the_rayjob():
     recipe = (DEPLOY / "kuberay" / "Dockerfile").read_text()
     (base,) = [line.split()[1] for line in recipe.splitlines() if line.startswith("FROM ")]
     assert base.startswith(f"rayproject/ray:{job['spec']['rayClusterSpec']['rayVersion']}-")  # the cluster's Ray version
-    assert "WORKDIR /app" in recipe and all(f"COPY {pkg} {pkg}" in recipe for pkg in ("controller", "learner", "rollout", "objectives"))
+    packages = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert "WORKDIR /app" in recipe and all(f"COPY {pkg} {pkg}" in recipe for pkg in (p.rstrip("*") for p in packages))
     for pod in _pods(job).values():
         if pod is not job["spec"]["submitterPodTemplate"]:
             assert pod["spec"]["containers"][0]["workingDir"] == "/app"

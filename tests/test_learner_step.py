@@ -216,14 +216,14 @@ def test_a_pickled_bucket_carries_its_tensors_out_of_band_and_comes_back_bit_exa
 
 
 def test_keep_freed_memory_keeps_a_freed_tensors_pages_mapped():
-    """learner/heap.py in a fresh process: after it, freeing a 256 MiB tensor leaves the process's
+    """cpu/allocator.py in a fresh process: after it, freeing a 256 MiB tensor leaves the process's
     resident size where it was (the pages are kept for the next step); glibc's default unmaps them."""
     import subprocess
     import sys
 
     probe = (
         "import sys, torch\n"
-        "from learner.heap import keep_freed_memory\n"
+        "from cpu.allocator import keep_freed_memory\n"
         "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
         "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024\n"
         "x = torch.ones(64 * 2**20); before = rss(); del x\n"

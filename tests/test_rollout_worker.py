@@ -34,8 +34,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(config, model_folder=str(smollm2_folder), worker_id=7, seed=0, topk_logprobs=4)
     problems = arithmetic_split("test", 2) + [Problem("empty", "", "0")]
     tickets = [TrainTicket(0, p.id) for p in problems]
-    for t, p in zip(tickets, problems):
-        ray.get(worker.submit.remote(t, p))
+    ray.get(worker.submit.remote([(t, p, None) for t, p in zip(tickets, problems)]))
     groups = poll_groups(ray, worker, 3, timeout_s=240)
     assert [g.ticket for g in groups] == tickets and all(g.worker == 7 and g.started_version == 0 for g in groups)
     for g in groups[:2]:
@@ -53,7 +52,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     state = {"model.norm.weight": torch.ones(576) * 1.01}
     refs = [ray.put(b) for b in wire.buckets(state.items(), version=4)]
     assert ray.get(worker.update_weights.remote(refs)) == 4
-    ray.get(worker.submit.remote(EvalTicket(0, problems[0].id), problems[0]))
+    ray.get(worker.submit.remote([(EvalTicket(0, problems[0].id), problems[0], None)]))
     (group,) = poll_groups(ray, worker, 1, timeout_s=120)
     assert group.ticket == EvalTicket(0, problems[0].id) and group.started_version <= group.oldest_version == 4
     assert all((s.completion.versions == 4).all() and s.completion.topk_ids is None for s in group.samples)  # eval: no top-K
@@ -63,30 +62,33 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
 def test_inbox_serves_training_before_evaluation_and_fills_engine_rows():
     """A worker's queue: training prompts first (an evaluation never delays the learner's next
     batch) but never more than 2 calls ahead of a waiting evaluation, each kind in submission
-    order; evaluation (1 sample each) takes as many prompts as the rows training uses."""
+    order; evaluation (1 sample each) takes as many prompts as the rows training uses, or its own
+    row count (rollout.max_eval_rows)."""
     from rollout.scheduler import Inbox
 
     inbox = Inbox()
     evals = [(EvalTicket(0, f"e{i}"), Problem(f"e{i}", "q", "1"), 1) for i in range(20)]
     trains = [(TrainTicket(0, f"t{i}"), Problem(f"t{i}", "q", "1"), 8) for i in range(3)]
-    for item in evals[:10] + trains + evals[10:]:
-        inbox.put(item)
+    inbox.put(evals[:10] + trains + evals[10:])
 
-    def limit(n):
-        return max(1, 2 * 8 // n)  # max_batch_prompts=2 prompts of 8 samples: 16 rows
-
-    assert [t.id for t, _, _ in inbox.take(limit)] == ["t0", "t1"]
-    assert [t.id for t, _, _ in inbox.take(limit)] == ["t2"]
-    assert [t.id for t, _, _ in inbox.take(limit)] == [f"e{i}" for i in range(16)]
+    rows = 2 * 8  # max_batch_prompts=2 prompts of 8 samples: 16 rows
+    assert [t.id for t, _, _ in inbox.take(rows)] == ["t0", "t1"]
+    assert [t.id for t, _, _ in inbox.take(rows)] == ["t2"]
+    assert [t.id for t, _, _ in inbox.take(rows)] == [f"e{i}" for i in range(16)]
     assert inbox.qsize() == 4 and [t.id for t, _, _ in inbox.drain()] == ["e16", "e17", "e18", "e19"]
+    # evaluation rows of their own: training calls keep theirs, an evaluation call takes more prompts
+    inbox.put(trains + evals)
+    assert [t.id for t, _, _ in inbox.take(rows, eval_rows=12)] == ["t0", "t1"]
+    assert [t.id for t, _, _ in inbox.take(rows, eval_rows=12)] == ["t2"]
+    assert [t.id for t, _, _ in inbox.take(rows, eval_rows=12)] == [f"e{i}" for i in range(12)]
+    assert [t.id for t, _, _ in inbox.take(rows, eval_rows=12)] == [f"e{i}" for i in range(12, 20)]
     # with training always queued (rollout the slower stage), evaluation still gets its turn
-    for i in range(5):
-        inbox.put((TrainTicket(1, f"u{i}"), Problem(f"u{i}", "q", "1"), 8))
-    inbox.put(evals[0])
-    kinds = [type(inbox.take(lambda n: 1)[0][0]).__name__ for _ in range(4)]
+    inbox.put([(TrainTicket(1, f"u{i}"), Problem(f"u{i}", "q", "1"), 8) for i in range(5)])
+    inbox.put([evals[0]])
+    kinds = [type(inbox.take(1)[0][0]).__name__ for _ in range(4)]
     assert kinds == ["TrainTicket", "TrainTicket", "EvalTicket", "TrainTicket"]
     inbox.close()
-    assert inbox.take(limit) is None
+    assert inbox.take(rows) is None
 
 
 def test_an_engines_private_folders_of_dead_processes_are_swept_by_the_next_one(tmp_path):
@@ -168,8 +170,7 @@ def test_the_next_engine_call_generates_while_a_slow_reward_scores(tmp_path, mon
     worker = RolloutWorker.build(config, model_folder=str(tiny_chat_model), seed=0)
     try:
         problems = arithmetic_split("test", 3)
-        for p in problems:
-            worker.submit(TrainTicket(0, p.id), p)
+        worker.submit([(TrainTicket(0, p.id), p, None) for p in problems])
         started, deadline = [], time.monotonic() + 120
         while len(started) < 3 and time.monotonic() < deadline:
             groups, new = worker.poll(timeout_s=1.0)

@@ -7,6 +7,7 @@ SmolLM2, real math-verify)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def word_run(ray_local, smollm2_folder, module_tmp):
     cfg = RunConfig.model_validate({
         "run_dir": str(tmp / "run"), "model": {"path": str(smollm2_folder)},
         "task": {"type": "word_problems", "level": 2, "train_size": 32, "test_size": 3},
-        "rollout": {"workers": 1, "samples_per_prompt": 4, "max_new_tokens": 24, "max_batch_prompts": 4, "reward": "math_verify",
+        "rollout": {"workers": 1, "samples_per_prompt": 4, "max_new_tokens": 24, "max_batch_prompts": 4, "max_eval_rows": 6, "reward": "math_verify",
                     "scoring": {"overlong_penalty": PENALTY}, "precision": "auto"},
         "learner": {"optimizer": {"lr": 1e-5}, "micro_batch_size": 8, "objective": {"type": "drpo", "delta": 0.2}},
         "advantages": {"filter_zero_variance": False},
@@ -72,6 +73,9 @@ def test_every_eval_set_reports_mean_and_pass_at_k_greedy_lengths_and_truncation
             assert 0.0 <= s["pass_at_1"] <= s["pass_at_2"] <= 1.0, name
             assert 0.0 <= s["greedy"] <= 1.0 and 0 < s["response_tokens_mean"] <= 24 and 0.0 <= s["truncated_frac"] <= 1.0, name
         assert e["accuracy"] == e["sets"]["heldout"]["mean_at_k"]
+        # one worker, 10 prompts: the sampled ones (n = 2) three to a call of <= 6 rows, then the
+        # greedy ones six to a call, the sets sharing calls
+        assert e["engine_calls"] == math.ceil(10 / (6 // 2)) + math.ceil(10 / 6)
 
 
 def test_training_used_math_verify_verdicts_and_the_over_long_penalty(word_run):

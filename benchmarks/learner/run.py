@@ -9,7 +9,7 @@
    fresh processes, interleaved; ratios against today's fp32 / none.
 2. glibc's allocator (``--only heap``): the default preset's learner step (its first and later
    steps) and one hf engine call of 8 prompts x 8 samples, at the precision ``auto`` picks,
-   with the allocator as it comes and told to keep freed memory (learner/heap.py), fresh
+   with the allocator as it comes and told to keep freed memory (cpu/allocator.py), fresh
    processes, interleaved.
 3. The lag-0 numerics gap (``--only gap``): mean and max |pi - mu| for {fp32, bf16 learner} x
    {fp32, bf16, fp8 hf engine} on completions of the default task.
@@ -268,14 +268,14 @@ def _print_preset(rounds: int, steps: int) -> None:
 def _heap_job(spec: dict) -> dict:
     """The default preset's learner step and one rollout engine call (8 prompts x n = 8, <= 16
     tokens), at the precision ``auto`` picks here, with glibc's allocator as it comes or told to
-    keep freed memory (learner/heap.py; what drpo's CPU actors do)."""
+    keep freed memory (cpu/allocator.py; what drpo's CPU actors do)."""
     import torch
 
     torch.set_num_threads(2)
     from controller.hardware import auto_precision
     from learner import distributed
     from learner.config import LearnerConfig, OptimizerConfig
-    from learner.heap import keep_freed_memory
+    from cpu.allocator import keep_freed_memory
     from learner.learner import Learner
     from objectives.config import DRPOConfig
     from rollout.engine import SamplingParams
