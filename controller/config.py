@@ -290,8 +290,8 @@ PRESET_DIFFERENCES = {
     "train.steps": "the preset is a demonstration of a few minutes; 30 in code",
     "eval.every": "the preset evaluates at the start and the end only: on 2 cores a round of its 256 eval prompts costs one "
     "to two training steps, and the progress line shows the training reward of every step",
-    "checkpoint.every": "the preset checkpoints at its end only: a checkpoint of the 135M model and its optimizer cost ~7 s, "
-    "half a step, on a 2-core CPU; SIGINT or SIGTERM still checkpoints before the run stops",
+    "checkpoint.every": "the preset checkpoints at its end only: a checkpoint of the 135M model and its optimizer cost ~6 s on a 2-core CPU; "
+    "SIGINT or SIGTERM checkpoints the step in flight when it finishes within train.stop_grace_seconds",
     "checkpoint.hf": "off in code: an HF export writes the whole model at every checkpoint; the preset exports it so its "
     "result loads in transformers",
     "eval.concurrent": "on in code: evaluation runs on rollout capacity the next step does not need; the preset waits for "

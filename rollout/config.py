@@ -315,7 +315,7 @@ class RolloutConfig(Section):
     max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts fail their group (recorded, not trained on).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the learner takes log-probs at the same one).")
     max_batch_prompts: int = Field(
-        8, ge=1, description="Queued training prompts a worker generates together in one engine call (evaluation fills as many rows)."
+        8, ge=1, description="Queued training prompts a worker generates together in one engine call (an evaluation call fills rollout.max_eval_rows rows)."
     )
     max_eval_rows: int | None = Field(
         None, ge=1, description="Rows (prompts x samples) of one evaluation engine call; None: a training call's rows "

@@ -1,6 +1,6 @@
 """RolloutWorker: a Ray actor that turns admitted prompts into scored groups, asynchronously.
 
-Thin around its parts, each testable without Ray: ``submit`` queues (ticket, problem) pairs in the
+Thin around its parts, each testable without Ray: ``submit`` queues (ticket, problem, n) prompts in the
 inbox (rollout/scheduler.py) and returns at once; a background thread takes the next engine call's
 prompts from it, has the generator (rollout/generator.py) run them through the engine, has the
 grader (rollout/grader.py) check and score every completion on a second thread, and appends the

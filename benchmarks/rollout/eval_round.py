@@ -11,8 +11,8 @@ is prefilled whole. The two alternate in one process on one engine, so both see 
 the samples are seeded per prompt, so both draw the same tokens unless a logit's last bits flip one.
 ``all prompt logits``: the prefill projects every prompt position onto the vocabulary, not only the
 last one (which is all sampling needs). ``calls of N rows``: the engine as it runs, with N
-prompts per call (``--rows``; 64 is a training call's rows, the default before
-``rollout.max_eval_rows``). The modes alternate in one process on one engine.
+prompts per call (``--rows``; 64 is a training call's rows, what ``rollout.max_eval_rows``
+None gives). The modes alternate in one process on one engine.
 """
 
 from __future__ import annotations
