@@ -31,6 +31,13 @@ from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.scheduler import Submission
 from rollout.tasks import Problem
 
+
+def engine_calls(groups: list[Group]) -> int:
+    """The engine calls that generated these groups: their distinct calls, a group without one
+    (a simulated backend's) counted alone."""
+    return len({g.call for g in groups if g.call is not None}) + sum(g.call is None for g in groups)
+
+
 class RolloutsFailing(RuntimeError):
     """Every rollout failed for ``train.max_failures_in_a_row`` groups or ``train.max_failing_seconds``;
     the message names the first failure's cause (the root cause; later ones often follow from it)."""
@@ -388,7 +395,7 @@ class Controller:
         record = {
             "round": rnd, "step": self.step, "version": ev.version, "accuracy": first["mean_at_k"], "samples": first["samples"],
             "prompts": first["prompts"], "failed": first["failed"], "min_version": min(versions, default=None),
-            "seconds": self.backend.now() - ev.began, "engine_calls": round(sum(1 / g.call_prompts for g in ev.results)), "sets": sets,
+            "seconds": self.backend.now() - ev.began, "engine_calls": engine_calls(ev.results), "sets": sets,
         }
         self.eval_history.append(record)
         self.telemetry.evaluation(record)

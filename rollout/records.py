@@ -85,8 +85,9 @@ class Group:
     """Of ``seconds``, the time the reward took."""
     reward_failures: tuple[RewardResult, ...] = ()
     """A group failed by its reward: the failed samples' results (their reasons are counted)."""
-    call_prompts: int = 1
-    """Prompts the engine call that generated it generated together (an evaluation counts its calls by it)."""
+    call: tuple[int, int, int] | None = None
+    """The inbox batch (one engine call for single-turn prompts) that generated it: (worker, process
+    id, the worker's batch number); an evaluation counts its distinct calls by it."""
 
     def __post_init__(self) -> None:
         if self.error is None and not self.samples:

@@ -16,6 +16,7 @@ worker.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -63,6 +64,7 @@ class RolloutWorker:
         )
         self.grader = Grader.build(config, worker_id=worker_id, chaos=self.chaos)
         self._inbox = Inbox()
+        self._calls = itertools.count()  # the inbox batches taken, for Group.call
         self._outbox: list[Group] = []
         self._started: list[Started] = []
         self._lock = threading.Lock()
@@ -199,15 +201,16 @@ class RolloutWorker:
             if self.generator.dead is not None:
                 self._to_score.put(None)
                 return  # nothing more runs here: poll reports the death, the backend restarts the worker
-            self._to_score.put((generated, version, len(batch)))  # waits while the previous call is still being scored
+            call = (self.worker_id, os.getpid(), next(self._calls))
+            self._to_score.put((generated, version, len(batch), call))  # waits while the previous call is still being scored
 
     def _score_loop(self) -> None:
         while True:
             item = self._to_score.get()
             if item is None:
                 return
-            generated, version, prompts = item
-            groups = self.chaos.lose([replace(self._graded(g, version), call_prompts=prompts) for g in generated])
+            generated, version, prompts, call = item
+            groups = self.chaos.lose([replace(self._graded(g, version), call=call) for g in generated])
             with self._lock:
                 self._in_flight -= prompts
                 self._outbox.extend(groups)
