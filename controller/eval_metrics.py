@@ -70,6 +70,12 @@ def set_summary(groups: list, ks: list[int]) -> dict:
     return out
 
 
+def engine_calls(groups: list) -> int:
+    """The engine calls that generated these groups: their distinct calls, a group without one
+    (a simulated backend's) counted alone."""
+    return len({g.call for g in groups if g.call is not None}) + sum(g.call is None for g in groups)
+
+
 def describe_set(start: dict, last: dict) -> str:
     """mean@k, pass@k and greedy accuracy of one eval set, first -> last evaluation, in one line."""
     keys = ["mean_at_k"] + sorted(k for k in last if k.startswith("pass_at_")) + (["greedy"] if "greedy" in last else [])

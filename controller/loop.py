@@ -21,7 +21,7 @@ from controller import checkpoints
 from controller.backend import Backend, Events, TrainResult
 from controller.batch_builder import Batch, BatchBuilder
 from controller.config import RunConfig, dump
-from controller.eval_metrics import set_summary
+from controller.eval_metrics import engine_calls, set_summary
 from controller.ledger import Ledger, PromptSampler
 from controller.staleness import StalenessManager
 from controller.stop import StopRequest
@@ -30,12 +30,6 @@ from controller.watchdog import Watchdog, stall_account
 from rollout.records import EvalTicket, Group, TrainTicket
 from rollout.scheduler import Submission
 from rollout.tasks import Problem
-
-
-def engine_calls(groups: list[Group]) -> int:
-    """The engine calls that generated these groups: their distinct calls, a group without one
-    (a simulated backend's) counted alone."""
-    return len({g.call for g in groups if g.call is not None}) + sum(g.call is None for g in groups)
 
 
 class RolloutsFailing(RuntimeError):

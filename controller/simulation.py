@@ -78,9 +78,8 @@ class SimulatedBackend(Backend):
     def submit(self, worker: int, items: list[Submission]) -> None:
         if self._down[worker]:
             raise RuntimeError(f"submit to worker {worker}, which is down")
-        for ticket, _, n in items:
-            self._queues[worker].append((ticket, n))
-            self._start_next(worker)
+        self._queues[worker].extend((ticket, n) for ticket, _, n in items)
+        self._start_next(worker)
 
     def _completion(self, version: int) -> Completion:
         """One synthetic response sampled at ``version`` (records are immutable, so one per version is shared)."""
