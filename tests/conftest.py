@@ -14,14 +14,18 @@ prepare()  # the tests' clusters: loopback, quiet, token auth (set before any te
 
 
 LONGEST_FIRST = (
-    "test_matrix", "test_faults", "test_readme_commands", "test_train_moe", "test_weight_sync", "test_vllm_default",
-    "test_common_random_numbers", "test_train_tasks", "test_frontier", "test_train_parallel", "test_observability", "test_eval",
-    "test_experiments", "test_stop_signals", "test_vllm_train", "test_vllm_engine", "test_export", "test_own_task",
+    "test_faults", "test_matrix", "test_train_moe", "test_weight_sync", "test_train_objectives", "test_readme_commands",
+    "test_common_random_numbers", "test_observability", "test_vllm_default", "test_controller_e2e", "test_train_episodes",
+    "test_frontier", "test_stop_signals", "test_faults_cluster", "test_learner_step", "test_train_tasks", "test_train_parallel",
+    "test_vllm_engine", "test_experiments", "test_own_task", "test_eval", "test_vllm_train", "test_placement", "test_export",
+    "test_offline_model", "test_network", "test_learner_parallel", "test_learner_group", "test_hf_engine", "test_loggers",
+    "test_rollout_worker", "test_controller_cluster",
 )
-"""The modules that took longest in a full run (2 cores, 2026-12-04), longest first. They are
-collected first, so the processes of scripts/test.sh (pytest-xdist, a module per process at a time)
-start on them and the short ones fill in at the end, instead of one process finishing a long module
-alone."""
+"""The modules that took 20 s or more in a full run (2-core EPYC, 2026-12-06, pytest --junitxml),
+longest first. They are collected first and scripts/test.sh keeps that order for pytest-xdist
+(``--no-loadscope-reorder``; by default xdist orders modules by their number of tests, which put
+single long tests such as test_vllm_default last), so its processes start on the long modules and
+the short ones fill in at the end, instead of one process finishing a long module alone."""
 
 
 def pytest_collection_modifyitems(config, items):
