@@ -33,12 +33,21 @@ def _objectives(args: argparse.Namespace) -> int:
     return 0
 
 
+_RAY_JOINED_HERE = False
+"""Whether ``_init_ray`` joined or started the cluster this process is connected to (a cluster
+joined before, by Python code that called ``main``, is left as it was)."""
+
+
 def _init_ray(cfg) -> None:
     """Join the configured cluster, or start a local one on loopback in this process (``_shutdown_ray``
     stops it); controller/network.py says what listens where."""
     import os
 
     from controller.network import init_ray
+
+    global _RAY_JOINED_HERE
+    ray = sys.modules.get("ray")  # not imported here: controller.network.prepare must come first
+    _RAY_JOINED_HERE = _RAY_JOINED_HERE or ray is None or not ray.is_initialized()
 
     needed = cfg.rollout.workers * cfg.rollout.cpus_per_worker + cfg.learner.parallel.world_size * cfg.learner_resources.cpus_per_worker
     init_ray(cfg.ray_address, num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)))
@@ -180,12 +189,14 @@ def _run(cfg, args: argparse.Namespace, stop) -> int:
 
 
 def _shutdown_ray() -> None:
-    """Stop the local Ray cluster this process started (its raylet, GCS, agents and workers); a
-    joined cluster is only disconnected from."""
+    """Stop the local Ray cluster ``_init_ray`` started (its raylet, GCS, agents and workers); a
+    cluster it joined is only disconnected from, and one joined before ``main`` ran is kept."""
+    global _RAY_JOINED_HERE
     import ray
 
-    if ray.is_initialized():
+    if _RAY_JOINED_HERE and ray.is_initialized():
         ray.shutdown()
+    _RAY_JOINED_HERE = False
 
 
 def _export(args: argparse.Namespace) -> int:

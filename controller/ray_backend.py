@@ -74,7 +74,8 @@ class RayBackend(Backend):
         ro = cfg.rollout
         check_roles(cfg, learner)
         # the learner's placement group is reserved first (PACK: its ranks together), then the
-        # engines load while the learner ranks build their model: start-up is their maximum, not their sum
+        # engines start and load while the learner ranks start and build their model: start-up is
+        # their maximum, not their sum
         self.learner = LearnerGroup.build(cfg.learner, model_folder=folder, resources=cfg.learner_resources, wait=False) if learner else None
         self.workers = ro.workers
         bundle = role_bundle(ro.cpus_per_worker, ro.gpus_per_worker, ro.node_resource)

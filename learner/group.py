@@ -65,8 +65,10 @@ class LearnerGroup:
             ).remote(cfg, i, n, resources.threads)
             for i in range(n)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        self._setup = [w.setup.remote(addr, port, str(model_folder)) for w in self.workers]
+        # rank 0's rendezvous goes to every rank as an object ref, not through this process: the
+        # constructor returns while the ranks' processes still start (other actors start meanwhile)
+        rendezvous = self.workers[0].address.remote()
+        self._setup = [w.setup.remote(rendezvous, str(model_folder)) for w in self.workers]
         if wait:
             self.ready()
 
@@ -74,7 +76,7 @@ class LearnerGroup:
     def build(cls, config: LearnerConfig, *, model_folder: str, resources: LearnerResources | None = None, wait: bool = True) -> "LearnerGroup":
         """A learner group of ``config.parallel.world_size`` ranks, each placed as ``resources`` say
         (default: one CPU, one thread), loading the HF model in ``model_folder``. ``wait=False``:
-        return once the placement group is reserved and the ranks are loading their model;
+        return once the placement group is reserved and the ranks' processes are starting;
         ``ready()`` waits for them (so other actors can load meanwhile)."""
         LearnerConfig.expect(config, "LearnerGroup")
         resources = LearnerResources.expect(resources or LearnerResources(), "LearnerGroup (resources)")

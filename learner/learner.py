@@ -210,19 +210,21 @@ class Learner:
         2505.24298) or when there is more than one update: gap/* must be pi at consumption
         against mu, not include the drift of this batch's own earlier updates (which is reported
         apart, as gap/proximal/*, and per update as gap/update_<i>/abs_shift_mean: pi at update i
-        against mu). One update needs no extra pass: its update's pi is it."""
+        against mu). The first mini-batch needs no extra pass, nor does one update: the first
+        update's forward runs at the consumption weights, so its pi is the proximal log-prob."""
         started = time.perf_counter()
         if isinstance(mini_batches, TrainBatch):
             mini_batches = [mini_batches]
         for mb in mini_batches:
             if mb.version is not None and mb.version != self.version:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
-        if self.cfg.anchor == "decoupled" or len(mini_batches) * epochs > 1:
-            mini_batches = [self._with_proximal(mb) for mb in mini_batches]
+        own_proximal = self.cfg.anchor == "decoupled" or len(mini_batches) * epochs > 1
+        if own_proximal:  # a later epoch revisits the first mini-batch after updates: it needs the pass too
+            mini_batches = [mb if i == 0 and epochs == 1 else self._with_proximal(mb) for i, mb in enumerate(mini_batches)]
         acc = MetricAccumulator(self.device)
         losses, norms, tokens = [], [], 0
         for index, mb in enumerate(mini_batches * epochs):
-            loss, grad_norm, count = self._update(mb, acc, index)
+            loss, grad_norm, count = self._update(mb, acc, index, own_proximal=own_proximal and mb.proximal_logp is None)
             losses.append(loss)
             norms.append(grad_norm)
             tokens += count if index < len(mini_batches) else 0  # the batch's tokens, once however many passes
@@ -263,10 +265,12 @@ class Learner:
             stats.logp, mb.rollout_logp, mb.proximal_logp, mb.advantages, mask, self.cfg.behaviour_weight_cap, mb.proximal_topk_logp, stats.ids_logp
         )
 
-    def _update(self, batch: TrainBatch, acc: MetricAccumulator, index: int = 0) -> tuple[torch.Tensor, float, int]:
+    def _update(self, batch: TrainBatch, acc: MetricAccumulator, index: int = 0, own_proximal: bool = False) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR
-        schedule; ``index`` is the update's place in its rollout batch. Returns this rank's loss (a
-        tensor: no host sync), the grad norm and the global number of response tokens."""
+        schedule; ``index`` is the update's place in its rollout batch; ``own_proximal``: this
+        forward's pi (detached) is the proximal log-prob (the weights have not moved since the
+        batch was consumed). Returns this rank's loss (a tensor: no host sync), the grad norm and
+        the global number of response tokens."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -278,6 +282,9 @@ class Learner:
         for _, mb, packed in self._micro_batches(batch.to(self.device)):
             slots, real = slots + packed.tokens, real + packed.real_tokens
             stats = self._packed_logprobs(packed, mb.input_ids, mb.response_mask, mb.rollout_topk_ids, mb.routed_experts)
+            if own_proximal:
+                ids_logp = None if stats.ids_logp is None else stats.ids_logp.detach()
+                mb = replace(mb, proximal_logp=stats.logp.detach(), proximal_topk_logp=ids_logp)
             if self.routing is not None:
                 acc.add("gap/", self.routing.metrics())
             inputs, anchor_metrics = self._objective_inputs(mb, stats)

@@ -69,7 +69,10 @@ class TorchAdamW:
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         initial = initial or {}
         self.main = [self._main_copy(p, initial.get(id(p))) for p in self.params] if self.mixed else self.params
-        self.optimizer = torch.optim.AdamW(self.main, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        # fused: one pass over each tensor's parameter, gradient and moments (torch's CPU and CUDA
+        # kernel); the default multi-tensor path makes several, 0.28-0.48 s against 0.07-0.08 s per
+        # step for SmolLM2-135M on 2 CPU cores (AVX2 EPYC)
+        self.optimizer = torch.optim.AdamW(self.main, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
 
     @staticmethod

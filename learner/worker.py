@@ -54,8 +54,10 @@ class LearnerWorker:
         """What this rank sees of the driver's marker in ``run_dir`` (learner.checkpoint.storage_probe)."""
         return {**checkpoint.storage_probe(run_dir, self.rank, nonce), "node": self.node_id()}
 
-    def setup(self, master_addr: str, master_port: int, model_folder: str) -> None:
-        """Join the process group and load the model; every rank must call this concurrently."""
+    def setup(self, rendezvous: tuple[str, int], model_folder: str) -> None:
+        """Join the process group hosted at ``rendezvous`` (rank 0's ``address``) and load the
+        model; every rank must call this concurrently."""
+        master_addr, master_port = rendezvous
         distributed.init(self.cfg.parallel, self.rank, self.world_size, master_addr, master_port, self._take_listener())
         self.learner = Learner.build(self.cfg, model_folder=model_folder)
 
