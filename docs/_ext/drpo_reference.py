@@ -128,7 +128,7 @@ def config_page() -> str:
         "a YAML file takes the code defaults for every key it leaves out, unless it starts from a preset: a top-level "
         "`extends: default` (a shipped preset's name, or a YAML path relative to the file) reads that file first and "
         "merges this one's keys over it, mappings key by key, lists and values replaced (`controller/presets/"
-        "trust-region.yaml` is the default plus two keys). The embedded preset and the code defaults differ only in "
+        "on-policy.yaml` is the default plus two keys). The embedded preset and the code defaults differ only in "
         "these fields, each for the reason given (a test fails when they drift apart without one):\n\n",
         "| field | preset | code default | why |\n|---|---|---|---|\n",
     ]
