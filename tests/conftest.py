@@ -98,14 +98,37 @@ def smollm2_folder():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A real local Ray cluster on loopback (2 CPUs), per test module."""
+    """A real local Ray cluster on loopback (2 CPUs). The first module that asks starts it and the
+    next modules of this test process keep it (a start and a stop cost ~7 s), unless a module leaves
+    something placed or running on it: then it is stopped, and the next module starts a fresh one.
+    Modules that join clusters of their own leave it first (tests/clusters.py)."""
     import ray
 
     from controller.network import init_ray
 
-    init_ray(num_cpus=2)
+    if not ray.is_initialized():
+        init_ray(num_cpus=2)
     yield ray
-    ray.shutdown()
+    if ray.is_initialized() and not _cluster_is_clean(ray):
+        ray.shutdown()
+
+
+def _cluster_is_clean(ray, wait: float = 10.0) -> bool:
+    """No live actor and no placement group left on the cluster, and every CPU free again (within
+    ``wait`` seconds: a killed actor's resources come back shortly after it is gone)."""
+    import time
+
+    from ray._private import state  # the GCS's actor table (ray.util.state needs the dashboard, which the tests' clusters leave off)
+
+    deadline = time.monotonic() + wait
+    while True:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        actors = [a for a in state.actors().values() if a["State"] != "DEAD"]
+        if not groups and not actors and ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from controller.cli import main
+from tests.clusters import leave_local_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -21,6 +22,7 @@ def three_node_cluster(monkeypatch):
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    leave_local_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()

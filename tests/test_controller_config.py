@@ -181,11 +181,14 @@ def test_code_defaults_equal_the_embedded_presets_except_where_a_reason_is_writt
 
 
 def test_a_config_extends_a_preset_or_a_file_and_merges_its_mappings_key_by_key(tmp_path):
-    shipped = load_config(PRESETS / "trust-region.yaml")
+    shipped = load_config(PRESETS / "on-policy.yaml")
     default = load_config()
-    assert shipped.train.mini_batches == 2 and shipped.run_dir == "runs/trust-region"
-    assert shipped.model_dump(exclude={"train", "run_dir"}) == default.model_dump(exclude={"train", "run_dir"})
+    assert (shipped.train.mini_batches, default.train.mini_batches) == (1, 2) and shipped.run_dir == "runs/on-policy"
+    assert (shipped.learner.optimizer.lr, default.learner.optimizer.lr) == (2e-5, 1.5e-5)
+    assert shipped.learner.optimizer.grad_clip == default.learner.optimizer.grad_clip  # a mapping merged key by key
+    assert shipped.model_dump(exclude={"train", "learner", "run_dir"}) == default.model_dump(exclude={"train", "learner", "run_dir"})
     assert shipped.train.model_dump(exclude={"mini_batches"}) == default.train.model_dump(exclude={"mini_batches"})
+    assert shipped.learner.model_dump(exclude={"optimizer"}) == default.learner.model_dump(exclude={"optimizer"})
     (tmp_path / "base.yaml").write_text("extends: default\nrollout: {samples_per_prompt: 4}\neval: {sets: [{name: a, path: a.jsonl}]}\n")
     (tmp_path / "run.yaml").write_text("extends: base.yaml\nrollout: {max_new_tokens: 8}\neval: {sets: []}\n")
     cfg = load_config(tmp_path / "run.yaml", ["rollout.threads=1"])

@@ -129,7 +129,7 @@ def test_report_names_what_is_wrong_with_a_run_folder(tmp_path, capsys):
 @pytest.mark.parametrize("updates", [{"epochs": 2, "oversample": 2.0}, {"mini_batches": 2}], ids=["2 epochs, oversampled", "2 mini-batches"])
 def test_two_updates_per_sync_batch_make_drpo_act_on_policy(ray_local, tiny_chat_model, tmp_path, updates):
     """train.epochs 2 (each update sees the whole batch) or train.mini_batches 2 (each sees half; the
-    trust-region preset): the second update of each batch sees pi moved by the first (fp32 on both sides,
+    default preset): the second update of each batch sees pi moved by the first (fp32 on both sides,
     so the first sees pi = mu up to float error), and DRPO's regularizer acts; with train.oversample 2
     with the zero-variance filter on: each round asks for twice the missing groups, the batch takes
     B and the rest is ledgered as surplus. The summary says all of it."""

@@ -11,6 +11,7 @@ import pytest
 
 from controller.app import check_machine
 from controller.config import PRESETS, ConfigError, load_config
+from tests.clusters import leave_local_ray
 from tests.test_readme_commands import DRPO
 
 
@@ -31,6 +32,7 @@ def test_the_cluster_preset_as_shipped_is_refused_here_by_its_gpu_fields_before_
 
 def test_an_engine_whose_package_is_missing_is_refused_unless_a_cluster_is_joined(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    leave_local_ray()  # this process joined to the cluster an earlier module kept would count as joined
     cfg = load_config(PRESETS / "default.yaml", ["rollout.engine=sglang", "rollout.gpus_per_worker=0"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))

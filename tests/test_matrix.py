@@ -1,5 +1,5 @@
 """Every way the presets and README offer to run drpo, for real: the shipped presets (the embedded
-default, trust-region, word-problems, and cluster-gpu reduced to fit this machine; tools is
+default, on-policy, word-problems, and cluster-gpu reduced to fit this machine; tools is
 test_train_episodes'), the engines (hf, vLLM's CPU
 build), sync/async and object-store/broadcast weight sync, each run training 2 steps through the
 same config loading as `drpo train` (the preset file plus `--set` overrides), with its evaluations
@@ -74,8 +74,8 @@ RUNS = [  # (preset, engine, mode, transport): each preset twice, its two runs a
     ("word-problems", "vllm", "async", "object_store"),
     ("cluster-gpu", "hf", "async", "object_store"),
     ("cluster-gpu", "vllm", "sync", "broadcast"),
-    ("trust-region", "hf", "async", "broadcast"),
-    ("trust-region", "vllm", "sync", "object_store"),
+    ("on-policy", "hf", "async", "broadcast"),
+    ("on-policy", "vllm", "sync", "object_store"),
 ]
 
 
@@ -113,7 +113,7 @@ def test_preset_engine_mode_transport_trains_for_real(ray_local, tiny_vllm_model
     assert all(s["rollout/publish_bytes"] > 0 for s in steps)  # every version reached the workers
     assert all(("rollout/publish_retries" in s) == (transport == "broadcast") for s in steps)  # by the transport asked for
     assert (run_dir / "checkpoints" / f"step-{STEPS:06d}" / "controller.json").is_file()
-    if cfg.train.mini_batches * cfg.train.epochs > 1:  # the trust-region preset: two updates a batch, DRPO's rows in the summary
+    if cfg.train.mini_batches * cfg.train.epochs > 1:  # the default's two updates a batch: DRPO's rows in the summary
         # (on this tiny model every group scores alike, so no update moves pi: that DRPO then acts is
         # tests/test_controller_e2e.py's two-update test, its size on SmolLM2 docs/default-run.md's table)
         assert all(s["learner/updates"] == 2 and "gap/update_1/abs_shift_mean" in s for s in steps)
