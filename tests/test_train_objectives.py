@@ -29,7 +29,9 @@ def overrides(tmp_path, model, mode: str, anchor: str, objective: dict, steps: i
         "rollout.workers=1", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3", "rollout.max_batch_prompts=4",
         "rollout.precision=fp32", "learner.precision=fp32", "learner.optimizer.lr=3e-3", f"learner.anchor={anchor}",
         f"learner.objective={json.dumps(objective)}", "advantages.filter_zero_variance=false",
-        f"train.steps={steps}", "train.prompts_per_step=2", f"train.mode={mode}", f"train.max_staleness={eta}",
+        # one update per batch (the default preset trains two): in sync mode pi = mu up to float error,
+        # and the gap between pi now and pi at consumption is the anchor's alone
+        f"train.steps={steps}", "train.prompts_per_step=2", "train.mini_batches=1", f"train.mode={mode}", f"train.max_staleness={eta}",
         "eval.at_start=false", "eval.every=0", "checkpoint.every=0", "metrics.port=null", "metrics.progress=false",
         "learner_resources.threads=1",
     ]
