@@ -129,12 +129,16 @@ def test_a_rendezvous_store_listens_on_its_address_only():
     from learner import distributed
     from learner.weights.broadcast import WeightBroadcastGroup
 
+    def listening() -> set:  # this process's listeners (a Ray cluster an earlier test module kept has its own)
+        return {c.laddr for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
     store = distributed.rendezvous("127.0.0.1", 0, 1, 0, timedelta(seconds=10))
-    mine = [c.laddr for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    mine = listening() - before
     assert mine and all(a.ip == "127.0.0.1" for a in mine), mine
     del store
     group = WeightBroadcastGroup("127.0.0.1", 0, 0, 1, timeout_s=10)
-    mine = [c.laddr for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    mine = listening() - before
     assert mine and all(a.ip == "127.0.0.1" for a in mine), mine  # the store and gloo's pair listener
     group.close()
 
