@@ -69,6 +69,14 @@ class LearnerConfig(Section):
         description="bypass: mu from the engine anchors ratio and trust region; decoupled (AReaL): the learner's proximal_logp, "
         "recomputed at the start of each step, does, and mu only reweights the advantage by min(proximal/mu, cap).",
     )
+    consumption_pass: bool = Field(
+        True,
+        description="Several updates per rollout batch with the bypass anchor: a log-prob pass over the mini-batches after "
+        "the first, at the weights they were consumed with, so gap/* (pi at consumption against mu) covers every token and "
+        "gap/proximal/* measures the drift within the step. false: no pass (a forward over all but the first mini-batch saved); "
+        "gap/* is measured on the first mini-batch, whose own update runs at those weights, and gap/proximal/* is not "
+        "reported. The decoupled anchor needs the pass and always runs it.",
+    )
     behaviour_weight_cap: float = Field(
         5.0, gt=0.0, description="decoupled: C, the cap on the behaviour weight proximal/mu (token-level TIS on ppo_clip uses 2; objectives/anchor.py).",
     )

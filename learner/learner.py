@@ -211,20 +211,27 @@ class Learner:
         against mu, not include the drift of this batch's own earlier updates (which is reported
         apart, as gap/proximal/*, and per update as gap/update_<i>/abs_shift_mean: pi at update i
         against mu). The first mini-batch needs no extra pass, nor does one update: the first
-        update's forward runs at the consumption weights, so its pi is the proximal log-prob."""
+        update's forward runs at the consumption weights, so its pi is the proximal log-prob.
+        With the bypass anchor, ``consumption_pass`` false skips the pass: gap/* then comes
+        from the first mini-batch alone and gap/proximal/* is not reported."""
         started = time.perf_counter()
         if isinstance(mini_batches, TrainBatch):
             mini_batches = [mini_batches]
         for mb in mini_batches:
             if mb.version is not None and mb.version != self.version:
                 raise RuntimeError(f"a batch consumed at version {mb.version} reached the learner at version {self.version}")
-        own_proximal = self.cfg.anchor == "decoupled" or len(mini_batches) * epochs > 1
-        if own_proximal:  # a later epoch revisits the first mini-batch after updates: it needs the pass too
+        decoupled = self.cfg.anchor == "decoupled"
+        proximal = decoupled or (len(mini_batches) * epochs > 1 and self.cfg.consumption_pass)
+        if proximal:  # a later epoch revisits the first mini-batch after updates: it needs the pass too
             mini_batches = [mb if i == 0 and epochs == 1 else self._with_proximal(mb) for i, mb in enumerate(mini_batches)]
         acc = MetricAccumulator(self.device)
         losses, norms, tokens = [], [], 0
         for index, mb in enumerate(mini_batches * epochs):
-            loss, grad_norm, count = self._update(mb, acc, index, own_proximal=own_proximal and mb.proximal_logp is None)
+            # without the pass (several bypass updates, consumption_pass false) only the first
+            # update's forward runs at the consumption weights: gap/* is measured there alone
+            loss, grad_norm, count = self._update(
+                mb, acc, index, own_proximal=proximal and mb.proximal_logp is None, consumption=index == 0 or mb.proximal_logp is not None,
+            )
             losses.append(loss)
             norms.append(grad_norm)
             tokens += count if index < len(mini_batches) else 0  # the batch's tokens, once however many passes
@@ -265,12 +272,15 @@ class Learner:
             stats.logp, mb.rollout_logp, mb.proximal_logp, mb.advantages, mask, self.cfg.behaviour_weight_cap, mb.proximal_topk_logp, stats.ids_logp
         )
 
-    def _update(self, batch: TrainBatch, acc: MetricAccumulator, index: int = 0, own_proximal: bool = False) -> tuple[torch.Tensor, float, int]:
+    def _update(
+        self, batch: TrainBatch, acc: MetricAccumulator, index: int = 0, own_proximal: bool = False, consumption: bool = True,
+    ) -> tuple[torch.Tensor, float, int]:
         """Forward/backward over micro-batches, gradient all-reduce, clipped optimizer step, LR
         schedule; ``index`` is the update's place in its rollout batch; ``own_proximal``: this
         forward's pi (detached) is the proximal log-prob (the weights have not moved since the
-        batch was consumed). Returns this rank's loss (a tensor: no host sync), the grad norm and
-        the global number of response tokens."""
+        batch was consumed); ``consumption``: pi at consumption is known for this batch (its own
+        forward's or a pass's), so gap/* is measured on it. Returns this rank's loss (a tensor: no
+        host sync), the grad norm and the global number of response tokens."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -295,7 +305,8 @@ class Learner:
             total_loss += loss.detach()
             acc.add("objective/", out.metrics)
             acc.add("learner/", anchor_metrics)
-            self._gap_metrics(acc, stats, mb, delta)
+            if consumption:
+                self._gap_metrics(acc, stats, mb, delta)
             acc.add(f"gap/update_{index}/", {"abs_shift_mean": abs_shift_mean(stats.logp.detach(), mb.rollout_logp, mb.response_mask)})
         acc.add("learner/", {
             "forward_tokens": Metric(torch.tensor(float(slots)), "sum"),

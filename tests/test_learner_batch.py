@@ -85,6 +85,31 @@ def test_two_mini_batches_merge_maxima_histograms_and_means_by_kind(megatron_sin
         assert got[key] == pytest.approx((a[key] * na + b[key] * nb) / (na + nb), abs=1e-5), key
 
 
+def test_without_the_consumption_pass_two_mini_batches_train_alike_and_gap_is_the_first_halfs(megatron_single_rank):
+    """learner.consumption_pass false (bypass, two mini-batches): no log-prob pass before the
+    updates; the updates are the same (the pass only measures), gap/* is pi at consumption against
+    mu on the first half alone, gap/proximal/* is not reported, and gap/update_1 still is."""
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.05), optimizer=OptimizerConfig(lr=1e-2, grad_clip=None), micro_batch_size=2)
+    with_pass, hf = _tiny(cfg)
+    without, _ = _tiny(cfg.model_copy(update={"consumption_pass": False}))
+    batch = _batch(hf, noise=0.5)
+    halves = batch.split(2)
+    calls = []
+    real = without.batch_logprobs
+    without.batch_logprobs = lambda b: calls.append(b) or real(b)  # counts the passes
+    got, ref = without.train(halves).values, with_pass.train(halves).values
+    assert calls == []
+    assert got["learner/updates"] == 2 and not any(k.startswith("gap/proximal/") for k in got) and "gap/proximal/abs_shift_max" in ref
+    for key in ("objective/weight_mean", "gap/update_0/abs_shift_mean", "gap/update_1/abs_shift_mean", "learner/grad_norm_max"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key  # the same two updates
+    first = MetricAccumulator()
+    first.add("gap/", gap_metrics(_reference_logp(hf, halves[0].input_ids), halves[0].rollout_logp, halves[0].response_mask, 0.05))
+    first = first.reduce()
+    for key in ("gap/abs_shift_mean", "gap/abs_shift_max"):
+        assert got[key] == pytest.approx(first[key], abs=1e-5), key  # the first half's, not both halves'
+    assert got["gap/abs_shift_mean"] != pytest.approx(ref["gap/abs_shift_mean"], abs=1e-4)  # which both halves' would differ from
+
+
 def test_decoupled_anchor_is_computed_by_the_learner_and_gap_stays_pi_against_mu(megatron_single_rank):
     cap = 1.5
     cfg = LearnerConfig(objective=DRPOConfig(delta=0.02), optimizer=FROZEN, anchor="decoupled", behaviour_weight_cap=cap)
