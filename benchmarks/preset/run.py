@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).parent / "results"
 
 VARIANTS = {
-    "on-policy (1 update)": ["train.epochs=1"],
-    "2 epochs": ["train.epochs=2"],
-    "2 epochs, lr 1e-5": ["train.epochs=2", "learner.optimizer.lr=1.0e-5"],
+    "the default (2 mini-batches, lr 1.5e-5)": [],
+    "on-policy (1 update, lr 2e-5)": ["train.mini_batches=1", "learner.optimizer.lr=2.0e-5"],
+    "2 mini-batches, lr 2e-5": ["learner.optimizer.lr=2.0e-5"],
 }
 
 
