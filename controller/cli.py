@@ -192,11 +192,13 @@ def _shutdown_ray() -> None:
     """Stop the local Ray cluster ``_init_ray`` started (its raylet, GCS, agents and workers); a
     cluster it joined is only disconnected from, and one joined before ``main`` ran is kept."""
     global _RAY_JOINED_HERE
+    if not _RAY_JOINED_HERE:
+        return
+    _RAY_JOINED_HERE = False
     import ray
 
-    if _RAY_JOINED_HERE and ray.is_initialized():
+    if ray.is_initialized():
         ray.shutdown()
-    _RAY_JOINED_HERE = False
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -305,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet()  # before anything imports Ray, vLLM or transformers: nothing phones home
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    finally:
+        _shutdown_ray()  # a cluster a command started or joined (train stops it itself, before its summary)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def ray_local():
 
     from controller.network import init_ray
 
+    if ray.is_initialized() and not _cluster_is_clean(ray, wait=0):  # a module without this fixture left work on it
+        ray.shutdown()
     if not ray.is_initialized():
         init_ray(num_cpus=2)
     yield ray
