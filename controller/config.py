@@ -304,8 +304,8 @@ PRESET_DIFFERENCES = {
     "mini-batch updates, so the second update's samples are off-policy and DRPO's trust region acts; on 2 cores that "
     "reached 0.80 held-out accuracy by step 10 in two seeds, one update per batch by step 10 and 15 (controller/presets/on-policy.yaml)",
     "learner.consumption_pass": "on in code, so gap/* covers every token whatever the batch's shape; off in the preset: in "
-    "sync mode every sample is at lag 0, so the first mini-batch measures the same gap the pass over the second did, and the "
-    "pass cost ~1.2 s of a ~15 s step on 2 cores",
+    "sync mode every sample is at lag 0, so the first mini-batch measures the same gap the pass over the second would, and "
+    "the pass costs ~1 s of a ~15 s step on 2 cores (from separate runs)",
     "task.extra_eval_size": "64 in code; the preset's 32 prompts per wording and range set make a round of 192 prompts, "
     "~21 s on 2 cores against ~28 s for 256",
     "learner.objective.delta": "12.5 in code, the released DRPO recipe; the preset's 0.2 is a "

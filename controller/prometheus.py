@@ -6,8 +6,8 @@ base units in the name (``_seconds``, ``_tokens``), ``_ratio`` for fractions, ``
 and labels instead of name parts for the version lag of a gap metric (``lag="0"`` numerics,
 ``lag="0-inflight"`` lag-0 tokens of a request an update landed in, ``lag="1+"`` staleness, ``lag="all"``), histogram bins (``bin``) and ledger outcomes (``outcome``).
 ``gap/*`` is always the learner's pi at consumption against mu from the engine; ``gap/proximal/*``
-(pi during the updates against pi at consumption: the batch's own drift, with the decoupled anchor or
-several mini-batches) is its own family, ``drpo_gap_proximal_*``.
+(pi during the updates against pi at consumption: the batch's own drift, with the decoupled anchor, or
+several mini-batches and ``learner.consumption_pass`` on) is its own family, ``drpo_gap_proximal_*``.
 ``CATALOG`` documents the families dashboards and alerts rely on; any other key is still exported
 under its mechanical name. The exporter serves a snapshot of the latest values (a collector, not
 client-side gauges, so labels come from the keys).
@@ -39,7 +39,7 @@ _GAP = {
 CATALOG: dict[str, Family] = {
     **{f"drpo_gap_{k}": Family(f"drpo_gap_{k}", "gauge", f"Off-policy gap, learner pi vs engine mu: {h}; label lag = 0 (numerics), 0-inflight (lag 0, request began under older weights), 1+ (staleness), all") for k, h in _GAP.items()},
     **{
-        f"drpo_gap_proximal_{k}": Family(f"drpo_gap_proximal_{k}", "gauge", f"The batch's own drift: {h.replace('mu', 'pi_prox')}, pi vs pi at consumption (decoupled anchor or several mini-batches)")
+        f"drpo_gap_proximal_{k}": Family(f"drpo_gap_proximal_{k}", "gauge", f"The batch's own drift: {h.replace('mu', 'pi_prox')}, pi vs pi at consumption (decoupled anchor, or several mini-batches with learner.consumption_pass on)")
         for k, h in _GAP.items() if k != "entropy_mean"
     },
     "drpo_learner_behaviour_weight_mean": Family("drpo_learner_behaviour_weight_mean", "gauge", "Decoupled anchor: mean behaviour weight min(pi_prox/mu, cap)"),

@@ -73,7 +73,8 @@ class LearnerConfig(Section):
         True,
         description="Several updates per rollout batch with the bypass anchor: a log-prob pass over the mini-batches after "
         "the first, at the weights they were consumed with, so gap/* (pi at consumption against mu) covers every token and "
-        "gap/proximal/* measures the drift within the step. false: no pass (a forward over all but the first mini-batch saved); "
+        "gap/proximal/* measures the drift within the step. false: no pass (a forward over all but the first mini-batch saved, "
+        "over every one when train.epochs > 1); "
         "gap/* is measured on the first mini-batch, whose own update runs at those weights, and gap/proximal/* is not "
         "reported. The decoupled anchor needs the pass and always runs it.",
     )

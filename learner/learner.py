@@ -29,7 +29,7 @@ from learner.distributed import tp_rank_size
 from learner.metrics import MetricAccumulator
 from learner.routing import Routing
 from objectives.anchor import decoupled_inputs
-from objectives.base import Metric
+from objectives.base import Metric, masked_mean
 from objectives.diagnostics import abs_shift_mean, gap_metrics, gap_metrics_by_lag
 from objectives.logprobs import TokenLogProbs, logprobs_from_hidden
 
@@ -307,6 +307,8 @@ class Learner:
             acc.add("learner/", anchor_metrics)
             if consumption:
                 self._gap_metrics(acc, stats, mb, delta)
+            elif stats.entropy is not None:  # the training forward's own entropy, whatever gap/* covers
+                acc.add("gap/", {"entropy_mean": masked_mean(stats.entropy, mb.response_mask.bool())})
             acc.add(f"gap/update_{index}/", {"abs_shift_mean": abs_shift_mean(stats.logp.detach(), mb.rollout_logp, mb.response_mask)})
         acc.add("learner/", {
             "forward_tokens": Metric(torch.tensor(float(slots)), "sum"),

@@ -100,7 +100,7 @@ def test_without_the_consumption_pass_two_mini_batches_train_alike_and_gap_is_th
     got, ref = without.train(halves).values, with_pass.train(halves).values
     assert calls == []
     assert got["learner/updates"] == 2 and not any(k.startswith("gap/proximal/") for k in got) and "gap/proximal/abs_shift_max" in ref
-    for key in ("objective/weight_mean", "gap/update_0/abs_shift_mean", "gap/update_1/abs_shift_mean", "learner/grad_norm_max"):
+    for key in ("objective/weight_mean", "gap/update_0/abs_shift_mean", "gap/update_1/abs_shift_mean", "learner/grad_norm_max", "learner/entropy_mean"):
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key  # the same two updates
     first = MetricAccumulator()
     first.add("gap/", gap_metrics(_reference_logp(hf, halves[0].input_ids), halves[0].rollout_logp, halves[0].response_mask, 0.05))
@@ -108,6 +108,28 @@ def test_without_the_consumption_pass_two_mini_batches_train_alike_and_gap_is_th
     for key in ("gap/abs_shift_mean", "gap/abs_shift_max"):
         assert got[key] == pytest.approx(first[key], abs=1e-5), key  # the first half's, not both halves'
     assert got["gap/abs_shift_mean"] != pytest.approx(ref["gap/abs_shift_mean"], abs=1e-4)  # which both halves' would differ from
+
+
+@pytest.mark.parametrize("shape", ["decoupled, 2 mini-batches", "bypass, 2 epochs"])
+def test_the_consumption_pass_off_still_runs_where_the_anchor_needs_it_and_skips_every_epochs_pass(megatron_single_rank, shape):
+    """decoupled: its objective needs pi at consumption, so consumption_pass false changes nothing;
+    bypass with 2 epochs: no pass at all (a second epoch would need one for every mini-batch)."""
+    anchor, epochs, parts = ("decoupled", 1, 2) if shape.startswith("decoupled") else ("bypass", 2, 1)
+    cfg = LearnerConfig(objective=DRPOConfig(delta=0.05), optimizer=OptimizerConfig(lr=1e-2, grad_clip=None), micro_batch_size=2, anchor=anchor)
+    with_pass, hf = _tiny(cfg)
+    without, _ = _tiny(cfg.model_copy(update={"consumption_pass": False}))
+    batch = _batch(hf, noise=0.5)
+    calls = []
+    real = without.batch_logprobs
+    without.batch_logprobs = lambda b: calls.append(b) or real(b)
+    got, ref = without.train(batch.split(parts), epochs).values, with_pass.train(batch.split(parts), epochs).values
+    assert got["learner/updates"] == ref["learner/updates"] == 2
+    if anchor == "decoupled":
+        assert len(calls) == 1 and set(got) == set(ref)  # the second mini-batch's pass, as with it on
+        assert all(got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7) for k in ref if not k.endswith("seconds")), "decoupled differs"
+    else:
+        assert calls == [] and not any(k.startswith("gap/proximal/") for k in got) and "gap/proximal/abs_shift_max" in ref
+        assert got["gap/update_1/abs_shift_mean"] == pytest.approx(ref["gap/update_1/abs_shift_mean"], rel=1e-5)  # the same updates
 
 
 def test_decoupled_anchor_is_computed_by_the_learner_and_gap_stays_pi_against_mu(megatron_single_rank):
