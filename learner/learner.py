@@ -307,7 +307,7 @@ class Learner:
             acc.add("learner/", anchor_metrics)
             if consumption:
                 self._gap_metrics(acc, stats, mb, delta)
-            elif stats.entropy is not None:  # the training forward's own entropy, whatever gap/* covers
+            if stats.entropy is not None:  # the training forward's own, for every update whatever gap/* covers
                 acc.add("gap/", {"entropy_mean": masked_mean(stats.entropy, mb.response_mask.bool())})
             acc.add(f"gap/update_{index}/", {"abs_shift_mean": abs_shift_mean(stats.logp.detach(), mb.rollout_logp, mb.response_mask)})
         acc.add("learner/", {
@@ -326,7 +326,7 @@ class Learner:
         mini-batch: the same weights). gap/proximal/* adds pi now against pi at consumption."""
         logp, mask = stats.logp.detach(), mb.response_mask
         consumed = logp if mb.proximal_logp is None else mb.proximal_logp
-        acc.add("gap/", gap_metrics(consumed, mb.rollout_logp, mask, delta, entropy=stats.entropy))
+        acc.add("gap/", gap_metrics(consumed, mb.rollout_logp, mask, delta))
         if mb.version_lag is not None:
             by_lag = gap_metrics_by_lag(consumed, mb.rollout_logp, mb.version_lag, mask, delta, mb.context_lag)
             acc.add("gap/", {k: v for k, v in by_lag.items() if not k.startswith("all/")})

@@ -16,6 +16,7 @@ needs CUDA: its preset combinations are `gpu` tests."""
 from __future__ import annotations
 
 import itertools
+import math
 import json
 from pathlib import Path
 
@@ -117,5 +118,8 @@ def test_preset_engine_mode_transport_trains_for_real(ray_local, tiny_vllm_model
         # (on this tiny model every group scores alike, so no update moves pi: that DRPO then acts is
         # tests/test_controller_e2e.py's two-update test, its size on SmolLM2 docs/default-run.md's table)
         assert all(s["learner/updates"] == 2 and "gap/update_1/abs_shift_mean" in s for s in steps)
+        # the preset skips the measure-only pass over the second mini-batch: no drift family, gap/* still there
+        assert all(("gap/proximal/abs_shift_mean" in s) == cfg.learner.consumption_pass and "gap/abs_shift_mean" in s for s in steps)
+        assert cfg.learner.consumption_pass is False and all(math.isfinite(s["learner/entropy_mean"]) for s in steps)
         assert "DRPO mean |w-1|, regularizer share" in result.summary
 
