@@ -32,7 +32,9 @@ from pathlib import Path
 import yaml
 
 from controller.config import RunConfig, dotted, dump
-from controller.checkpoints import CONFIG_FILE, STATE_FILE, checkpoint_folders, checkpoint_step, complete_checkpoints, recover_replaced
+from controller.checkpoints import (
+    CONFIG_FILE, STATE_FILE, checkpoint_folders, checkpoint_step, complete_checkpoints, read_state, recover_replaced,
+)
 from learner.checkpoint import STORAGE_DIR, read_storage_marker, write_durable, write_storage_marker
 
 RUN_FILE = "run.json"
@@ -411,6 +413,8 @@ def _prepare_resume(cfg: RunConfig, run_dir: Path) -> Path | None:
     checkpoint = done[-1] if done else None
     if checkpoint is None and checkpoint_folders(run_dir):
         raise RunFolderError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (each step-N lacks {STATE_FILE})")
+    if checkpoint is not None:
+        read_state(checkpoint)  # a truncated or corrupt state fails by name here, before any engine or learner starts
     saved = checkpoint / CONFIG_FILE if checkpoint is not None and (checkpoint / CONFIG_FILE).is_file() else run_dir / CONFIG_FILE
     if saved.is_file():
         check_compatible(yaml.safe_load(saved.read_text()) or {}, cfg.model_dump(mode="json"), saved)

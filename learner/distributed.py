@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from learner import cpu_shims
+from learner import cpu_shims, megatron_import
 from learner.config import ParallelConfig
 
 
@@ -23,6 +23,7 @@ def init(
     that holds it."""
     if world_size != parallel.world_size:
         raise ValueError(f"world size {world_size} does not match parallel config (tensor*data = {parallel.world_size})")
+    megatron_import.load()
     cpu_shims.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

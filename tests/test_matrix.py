@@ -42,7 +42,7 @@ def shrink(preset: str, model: Path, run_dir: Path, data: Path) -> list[str]:
         "learner_resources.cpus_per_worker=0.5", "learner_resources.threads=1",
         f"eval.every={STEPS}", f"checkpoint.every={STEPS}", "metrics.port=0", "metrics.progress=false",
     ]
-    if preset == "cluster-gpu":  # 8 GPU workers, a learner of tensor 2 × data 4 on shared storage -> 2 CPU workers, 2 learner ranks here
+    if preset == "cluster-gpu":  # 8 GPU workers, a learner of tensor 2 × data 4 on shared storage -> 2 CPU workers (1 on vLLM), 2 learner ranks here
         return [
             *common, "rollout.workers=2", "rollout.gpus_per_worker=0", "rollout.cpus_per_worker=0.25", "rollout.node_resource=null",
             "learner_resources.gpus_per_worker=0", "learner_resources.cpus_per_worker=0.25", "learner_resources.node_resource=null",
@@ -97,7 +97,8 @@ def test_preset_engine_mode_transport_trains_for_real(ray_local, tiny_vllm_model
     if mode == "sync":
         overrides += ["train.max_staleness=0"]  # the cluster preset's eta is 4, which sync mode refuses by name
     if engine == "vllm":
-        overrides += ["rollout.kv_cache_gib=0.25", "rollout.engine_kwargs={max_model_len: 512}"]
+        # one engine (a vLLM start is ~25 CPU-seconds here; two vLLM workers are test_vllm_train's and test_weight_sync's)
+        overrides += ["rollout.kv_cache_gib=0.25", "rollout.engine_kwargs={max_model_len: 512}", "rollout.workers=1"]
     else:
         overrides += ["rollout.engine_kwargs={}"]
     cfg = load_config(PRESETS / f"{preset}.yaml", overrides)

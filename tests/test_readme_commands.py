@@ -116,9 +116,9 @@ def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(tiny_chat_m
             assert (target / "report" / "report.html").is_file()
 
 
-def test_readmes_own_task_command_trains_its_example_for_real(tmp_path):
+def test_readmes_own_task_command_trains_its_example_for_real(tiny_chat_model, tmp_path):
     """The "Train on your own task" line (README and its guide), run as written (2 steps of 2
-    prompts, no evaluation) in a copy of examples/own_task: the example's reward runs in the workers, its kwargs
+    prompts, no evaluation, the tiny chat model) in a copy of examples/own_task: the example's reward runs in the workers, its kwargs
     and components arrive."""
     import shutil
 
@@ -127,7 +127,7 @@ def test_readmes_own_task_command_trains_its_example_for_real(tmp_path):
     folder, command = re.match(r"cd (\S+) && (drpo train [^#]+)", line).groups()
     shutil.copytree(REPO / folder, tmp_path / "own_task")
     extra = ["--set", "train.steps=2", "--set", "train.prompts_per_step=2", "--set", "eval.at_start=false", "--set", "eval.every=0",
-             "--set", "checkpoint.every=0", *QUIET]  # 2 steps of 2 prompts: what the assertions need
+             "--set", "checkpoint.every=0", "--set", f"model.path={tiny_chat_model}", *QUIET]  # what the assertions need
     done = run([*shlex.split(command), *extra], tmp_path / "own_task")
     records = steps(tmp_path / "own_task" / "runs" / "own-task")
     assert [s["step"] for s in records] == [1, 2] and "reward components, first -> last step" in done.stdout

@@ -1,8 +1,9 @@
 """`drpo train` on the multi-step word-problem task with math-verify rewards, over-long shaping, and
 eval sets of four formats (the task's own held-out split, a GSM8K, a MATH and an AIME file): every
 evaluation reports mean@k, pass@k, greedy accuracy, response lengths and truncation per set, in
-metrics.jsonl, on the Prometheus endpoint's families and in `drpo report` (real Ray, the real
-SmolLM2, real math-verify)."""
+metrics.jsonl, on the Prometheus endpoint's families and in `drpo report` (real Ray, real
+math-verify, the tiny chat model whose replies run to tens of digits: some end, some are cut at
+the token limit)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def write_rows(path: Path, rows: list[dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def word_run(ray_local, smollm2_folder, module_tmp):
+def word_run(ray_local, tiny_vllm_long_model, module_tmp):
     tmp = module_tmp("word")
     gsm8k = write_rows(tmp / "gsm8k.jsonl", [
         {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3 + 4 = 7\n#### 7"},
@@ -45,7 +46,7 @@ def word_run(ray_local, smollm2_folder, module_tmp):
         {"problem": "What is 7 times 8?", "answer": "56"},
     ])
     cfg = RunConfig.model_validate({
-        "run_dir": str(tmp / "run"), "model": {"path": str(smollm2_folder)},
+        "run_dir": str(tmp / "run"), "model": {"path": str(tiny_vllm_long_model)},
         "task": {"type": "word_problems", "level": 2, "train_size": 32, "test_size": 3},
         "rollout": {"workers": 1, "samples_per_prompt": 4, "max_new_tokens": 24, "max_batch_prompts": 4, "max_eval_rows": 6, "reward": "math_verify",
                     "scoring": {"overlong_penalty": PENALTY}, "precision": "auto"},
@@ -88,7 +89,7 @@ def test_training_used_math_verify_verdicts_and_the_over_long_penalty(word_run):
         # the trained reward is correctness minus the penalty on every truncated response
         assert s["reward/mean"] == pytest.approx(s["reward/accuracy"] - PENALTY * s["rollout/truncated_frac"], abs=1e-9)
         assert 0 < s["rollout/response_tokens_mean"] <= 24
-    assert any(s["rollout/truncated_frac"] > 0 for s in steps)  # 24 tokens are too few for most reasoning: the penalty applied
+    assert any(s["rollout/truncated_frac"] > 0 for s in steps)  # some replies ran past 24 tokens: the penalty applied
 
 
 def test_eval_sets_reach_prometheus_families_and_the_report(word_run):
