@@ -56,22 +56,10 @@ def materialize_smollm2(target: Path | None = None) -> Path:
     target = Path(target) if target is not None else cache_root() / "models" / FOLDER_NAME
     if _complete(target):
         return target
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    gguf = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are dequantized; loaders must not look for a gguf
-        model = LlamaForCausalLM(config)  # a fresh, ordinary module: no gguf bookkeeping
-        model.load_state_dict(loaded.state_dict())
-        model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        _build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # a folder is there: another process's, complete, or one left half-written
@@ -82,3 +70,20 @@ def materialize_smollm2(target: Path | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _build(folder: Path) -> None:
+    """The Hugging Face files of SmolLM2 from the package's gguf, into ``folder``."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    gguf = smollm2_gguf_path()
+    loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized; loaders must not look for a gguf
+    model = LlamaForCausalLM(config)  # a fresh, ordinary module: no gguf bookkeeping
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)

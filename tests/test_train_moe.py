@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from controller.app import train
+from controller.ray_backend import RayBackend
 from rollout.config import DatasetTask
 from tests.test_controller_e2e import records, run_config
 from tests.fault_checks import assert_ledger_exact
@@ -47,26 +48,6 @@ def _needs(engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_moe_publications_land_in_the_engine_bit_for_bit(ray_local, tiny_moe_model, tmp_path, engine):
-    """hf: into transformers' fused experts (gate_up_proj / down_proj); vllm: through its own MoE loader."""
-    _needs(engine)
-    from controller.ray_backend import RayBackend
-
-    backend = RayBackend.build(moe_config(tmp_path, tiny_moe_model, engine=engine))
-    try:
-        ray.get(backend.actors[0].weight_checksums.remote())  # vllm: turns the tracking on
-        one_learner_step(backend, 1)
-        backend.publish(1, wait=True)
-        learner = backend.learner.hf_state()
-        experts = [n for n in learner if ".mlp.experts." in n]
-        assert len(experts) == 2 * 4 * 3  # every expert of both layers, each of its three matrices, gathered from both EP ranks
-        assert served_equals_learner(backend, 0) == []
-        assert set(experts) <= set(ray.get(backend.actors[0].weight_checksums.remote()))  # the experts were compared
-    finally:
-        backend.shutdown()
-
-
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_moe_trains_async_with_expert_parallel_2(ray_local, tiny_moe_model, tmp_path, engine):
     _needs(engine)
     cfg = moe_config(tmp_path, tiny_moe_model, steps=6, engine=engine)
@@ -85,18 +66,39 @@ def test_moe_trains_async_with_expert_parallel_2(ray_local, tiny_moe_model, tmp_
     assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 
+class ComparedAtTheEnd(RayBackend):
+    """The real backend; before it stops, the served weights are compared with the learner's."""
+
+    mismatched: list[str] | None = None
+    compared: set[str] = set()
+
+    def shutdown(self):
+        if self.mismatched is None:
+            self.mismatched = served_equals_learner(self, 0)
+            self.compared = set(ray.get(self.actors[0].weight_checksums.remote()))
+        super().shutdown()
+
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_moe_engine_serves_the_learners_experts_after_every_update(ray_local, tiny_moe_model, tmp_path, engine):
     """Sync (every trained token at lag 0, after an update from step 1 on): the async test above sees
     lag-0 tokens only where timing allows. Before vLLM's CPU experts were repacked after each reload,
-    this run's lag-0 max |pi - mu| grew 2e-6, 0.05, 0.07, ... 0.15 over 12 steps."""
+    this run's lag-0 max |pi - mu| grew 2e-6, 0.05, 0.07, ... 0.15 over 12 steps. After the run's last
+    publication the engine holds every expert bit for bit (hf: transformers' fused gate_up_proj /
+    down_proj; vllm: through its own MoE loader), gathered from both expert-parallel ranks."""
     _needs(engine)
     cfg = moe_config(tmp_path, tiny_moe_model, steps=4, engine=engine)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mode": "sync", "max_staleness": 0})})
-    train(cfg)
+    backend = ComparedAtTheEnd.build(cfg)
+    ray.get(backend.actors[0].weight_checksums.remote())  # vllm: turns the tracking on
+    train(cfg, backend=backend)
     steps = records(tmp_path / "run", "step")
     assert len(steps) == 4 and all(s["staleness/lag_max"] == 0 for s in steps)
     assert max(s["gap/numerics/abs_shift_max"] for s in steps) < 1e-4
+    assert records(tmp_path / "run", "eval")[-1]["version"] == 4  # the last version was published, for the last evaluation
+    experts = [n for n in backend.compared if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 3  # every expert of both layers, each of its three matrices
+    assert backend.mismatched == []
 
 
 def test_moe_trains_with_routing_replay(ray_local, tiny_moe_model, tmp_path):

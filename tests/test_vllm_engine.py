@@ -144,12 +144,13 @@ def test_missing_fused_parts_names_every_sibling_and_expert_a_publication_lacks(
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_vllm_low_precision_numerics_gap_is_reported(smollm2_folder, reference, precision, record_property, capsys):
-    """bf16 and fp8 (fake-quantized on CPU) vLLM against the fp32 learner view: reported, not asserted away."""
+def test_vllm_low_precision_numerics_gap_is_reported(tiny_vllm_model, precision, record_property, capsys):
+    """bf16 and fp8 (fake-quantized on CPU) vLLM against the fp32 learner view: reported, not asserted
+    away (the tiny model: a vLLM start is the cost here, and the gap is there at any size)."""
     from rollout.vllm_engine import VLLMEngine
 
-    fresh = AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
-    eng = VLLMEngine(str(smollm2_folder), precision=precision, max_model_len=512)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_vllm_model, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    eng = VLLMEngine(str(tiny_vllm_model), precision=precision, max_model_len=256, kv_cache_gib=0.25)
     try:
         prompts = [eng.chat_prompt(p) for p in PROMPTS]
         groups = eng.generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.8, seed=0))
