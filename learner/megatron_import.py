@@ -1,14 +1,16 @@
-"""The first import of megatron-core in a process, without the two things its import does that
-the learner never uses, which are ~40 % of a learner rank's start-up on a CPU:
+"""The first import of megatron-core in a process, without two things its import does that the
+learner never uses (together ~2 of the ~6.7 CPU-seconds a learner rank's process took to start on a
+2-core CPU):
 
 - ``megatron.core.jit`` takes ``torch.compile`` as its fusion decorator, and decorating a function
   with it imports torch._dynamo and torch._inductor (~1.8 s on a 2-core EPYC). Here the
   decorator compiles on a function's first call instead, which is ``torch.compile``'s own
   behaviour (it compiles lazily too); only the import moves to that call, and the fused functions
   the learner's layers do not call are never compiled, as before.
-- Its inference engine and timers import wandb when it is installed (~0.7 s), for logging of
-  their own; drpo's trackers run in the driver. While megatron-core imports, ``import wandb``
-  fails (both modules catch the ImportError), and the process can import wandb afterwards.
+- Its timers and its inference context import wandb when it is installed (~0.7 s), for logging
+  of their own; drpo's trackers run in the driver. While megatron-core imports, ``import wandb``
+  fails (each of megatron's wandb imports catches the ImportError), and the process can import
+  wandb afterwards.
 
 ``learner.distributed.init`` calls ``load`` first, so every learner process goes through it."""
 
@@ -38,10 +40,13 @@ def load() -> None:
 
 
 def _compile_on_first_call(compile_now, model=None, **options):
-    """``torch.compile(model, **options)``, or the decorator ``torch.compile(**options)``, whose
-    compiling (and importing torch._dynamo) waits for the first call."""
+    """``torch.compile(fn, **options)`` for a function, or the decorator ``torch.compile(**options)``,
+    whose compiling (and importing torch._dynamo) waits for the first call; a module is compiled
+    as ``torch.compile`` does it."""
     if model is None:
         return lambda fn: _compile_on_first_call(compile_now, fn, **options)
+    if isinstance(model, torch.nn.Module):
+        return compile_now(model, **options)
     compiled = None
 
     @functools.wraps(model)

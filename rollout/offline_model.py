@@ -56,10 +56,11 @@ def materialize_smollm2(target: Path | None = None) -> Path:
     target = Path(target) if target is not None else cache_root() / "models" / FOLDER_NAME
     if _complete(target):
         return target
+    gguf = smollm2_gguf_path()  # a missing package is named before anything is written
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build(tmp)
+        _build(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:  # a folder is there: another process's, complete, or one left half-written
@@ -72,13 +73,12 @@ def materialize_smollm2(target: Path | None = None) -> Path:
     return target
 
 
-def _build(folder: Path) -> None:
-    """The Hugging Face files of SmolLM2 from the package's gguf, into ``folder``."""
+def _build(gguf: Path, folder: Path) -> None:
+    """The Hugging Face files of SmolLM2 from the package's ``gguf``, into ``folder``."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    gguf = smollm2_gguf_path()
     loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -23,7 +23,7 @@ def test_a_half_written_folder_is_rebuilt_and_a_racing_builders_folder_is_kept(t
 
     # another process renames its complete folder into place while this one builds (the build is a
     # copy of the one above: the rename is what is tested)
-    monkeypatch.setattr(offline_model, "_build", lambda folder: [shutil.copy(f, folder) for f in built.iterdir()])
+    monkeypatch.setattr(offline_model, "_build", lambda gguf, folder: [shutil.copy(f, folder) for f in built.iterdir()])
     raced = tmp_path / "raced"
     real_rename = type(raced).rename
 

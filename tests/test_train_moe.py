@@ -15,7 +15,7 @@ from controller.ray_backend import RayBackend
 from rollout.config import DatasetTask
 from tests.test_controller_e2e import records, run_config
 from tests.fault_checks import assert_ledger_exact
-from tests.test_weight_sync import one_learner_step, served_equals_learner
+from tests.test_weight_sync import served_equals_learner
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 
@@ -70,13 +70,20 @@ class ComparedAtTheEnd(RayBackend):
     """The real backend; before it stops, the served weights are compared with the learner's."""
 
     mismatched: list[str] | None = None
-    compared: set[str] = set()
+    served: set[str] = set()
+    published: set[str] = set()
+    stopped = False
 
     def shutdown(self):
-        if self.mismatched is None:
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.published = set(self.learner.hf_state())
+            self.served = set(ray.get(self.actors[0].weight_checksums.remote()))
             self.mismatched = served_equals_learner(self, 0)
-            self.compared = set(ray.get(self.actors[0].weight_checksums.remote()))
-        super().shutdown()
+        finally:
+            super().shutdown()
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
@@ -90,15 +97,18 @@ def test_moe_engine_serves_the_learners_experts_after_every_update(ray_local, ti
     cfg = moe_config(tmp_path, tiny_moe_model, steps=4, engine=engine)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mode": "sync", "max_staleness": 0})})
     backend = ComparedAtTheEnd.build(cfg)
-    ray.get(backend.actors[0].weight_checksums.remote())  # vllm: turns the tracking on
-    train(cfg, backend=backend)
+    try:
+        ray.get(backend.actors[0].weight_checksums.remote())  # vllm: turns the tracking on
+        train(cfg, backend=backend)
+    finally:
+        backend.shutdown()  # a no-op when train stopped it
     steps = records(tmp_path / "run", "step")
     assert len(steps) == 4 and all(s["staleness/lag_max"] == 0 for s in steps)
     assert max(s["gap/numerics/abs_shift_max"] for s in steps) < 1e-4
-    assert records(tmp_path / "run", "eval")[-1]["version"] == 4  # the last version was published, for the last evaluation
-    experts = [n for n in backend.compared if ".mlp.experts." in n]
-    assert len(experts) == 2 * 4 * 3  # every expert of both layers, each of its three matrices
-    assert backend.mismatched == []
+    assert records(tmp_path / "run", "eval")[-1]["min_version"] == 4  # the engine served the last publication (hf: applied at that call)
+    experts = {n for n in backend.published if ".mlp.experts." in n}
+    assert len(experts) == 2 * 4 * 3  # every expert of both layers, each of its three matrices, gathered from both EP ranks
+    assert experts <= backend.served and backend.mismatched == []  # each one compared, bit for bit
 
 
 def test_moe_trains_with_routing_replay(ray_local, tiny_moe_model, tmp_path):
@@ -108,7 +118,7 @@ def test_moe_trains_with_routing_replay(ray_local, tiny_moe_model, tmp_path):
     steps = records(tmp_path / "run", "step")
     assert len(steps) == 4
     assert all(s["gap/routing_replayed_frac"] == 1.0 for s in steps)
-    assert all(0.0 <= s["gap/routing_disagreement_frac"] <= 1.0 for s in steps)  # measured either way
+    assert all(0.0 <= s["gap/routing_disagreement_frac"] <= 1.0 for s in steps)  # measured with replay too
     assert_ledger_exact(Path(cfg.run_dir), DIGIT_IDS, cfg.seed, cfg.train.steps, cfg.train.prompts_per_step, cfg.train.max_staleness)
 
 

