@@ -1,7 +1,9 @@
 """SIGINT (Ctrl-C: the whole foreground process group) and SIGTERM (`ray job stop`, an eviction: the
 driver) on a real `drpo train` (tiny chat Llama, local Ray started by the driver): the run winds down
 with a checkpoint, exits 130 / 143, prints the resume command, leaves none of its Ray processes behind
-(checked by pid), and the resumed run continues the ledger exactly."""
+(checked by pid), and the resumed run continues the ledger exactly (`drpo train --resume` called in
+this process, on the tests' shared Ray cluster: a second driver with a cluster of its own would only
+repeat their start-up)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import psutil
 import pytest
 import yaml
 
+from controller.cli import main
 from controller.run_folder import LOCK_FILE
 from tests.test_controller_e2e import run_config
 from tests.test_faults import REPO, exact, records, when
@@ -40,7 +43,7 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_a_signal_stops_the_run_with_a_checkpoint_and_it_resumes_exactly(tiny_chat_model, tmp_path, signum):
+def test_a_signal_stops_the_run_with_a_checkpoint_and_it_resumes_exactly(ray_local, tiny_chat_model, tmp_path, signum):
     cfg = run_config(tmp_path, tiny_chat_model, steps=200)
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": 0}), "eval": cfg.eval.model_copy(update={"every": 0})})
     config = tmp_path / "run.yaml"
@@ -75,8 +78,6 @@ def test_a_signal_stops_the_run_with_a_checkpoint_and_it_resumes_exactly(tiny_ch
     assert not alive(ray_processes), "Ray processes of the run outlived it"
 
     steps = stop["step"] + 2
-    done = subprocess.run([*drpo, "--resume", str(run_dir), "--set", f"train.steps={steps}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", "--resume", str(run_dir), "--set", f"train.steps={steps}"]) == 0
     exact(cfg, steps=steps)
     assert [r["step"] for r in records(run_dir, "step")] == list(range(1, steps + 1))  # nothing redone, nothing skipped
