@@ -89,13 +89,17 @@ def test_every_readme_train_line_runs_simulated(tmp_path):
             assert (run_dir / "tensorboard").is_dir() and list((run_dir / "wandb").glob("offline-run-*")) and (run_dir / "mlruns").is_dir()
 
 
-def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(tiny_chat_model, tmp_path):
+def test_every_readme_export_eval_and_report_line_runs_on_a_real_run(ray_local, tiny_chat_model, tmp_path):
+    """The run the lines read is trained in this process, on the tests' shared Ray cluster; the
+    lines themselves run as written, each a process of its own."""
+    from controller.cli import main
+
     setup = [
-        "drpo", "train", "--set", "run_dir=runs/default", "--set", f"model.path={tiny_chat_model}", "--set", "train.steps=2",
+        "train", "--set", f"run_dir={tmp_path / 'runs' / 'default'}", "--set", f"model.path={tiny_chat_model}", "--set", "train.steps=2",
         "--set", "train.prompts_per_step=2", "--set", "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=3",
         "--set", "task.test_size=4", "--set", "eval.every=0", *QUIET,
     ]
-    run(setup, tmp_path)
+    assert main(setup) == 0
     assert (tmp_path / "runs" / "default" / "hf" / "step-000002" / "model.safetensors").is_file()
     for words in readme_commands():
         sub = words[words.index("drpo") + 1]
