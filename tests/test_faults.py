@@ -133,7 +133,12 @@ def test_bad_dataset_rows_and_prompts_are_skipped_or_failed_by_name(ray_local, t
     assert long and all(e["outcome"] == "failed" and "more than max_prompt_tokens=200" in e["reason"] for e in long)
 
 
-def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(tiny_chat_model, tmp_path):
+def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(ray_local, tiny_chat_model, tmp_path):
+    """The driver (`drpo train` in a process of its own, with the local Ray cluster it started) is
+    SIGKILLed after its step-2 checkpoint; `drpo train --resume`, called in this process on the
+    tests' shared cluster, finishes the run exactly."""
+    from controller.cli import main
+
     cfg = run_config(tmp_path, tiny_chat_model, steps=6)
     cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": 2})})
     config = tmp_path / "run.yaml"
@@ -148,8 +153,7 @@ def test_a_killed_driver_resumes_without_losing_or_repeating_prompts(tiny_chat_m
     assert driver.poll() is None, f"the run ended (exit {driver.returncode}) before it could be killed:\n{log.read_text()[-3000:]}"
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray cluster it started
     driver.wait()
-    done = subprocess.run([*drpo, "--resume", cfg.run_dir], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", "--resume", cfg.run_dir]) == 0
     exact(cfg)
     steps = [r["step"] for r in records(Path(cfg.run_dir), "step")]
     assert steps[-1] == 6 and steps.count(1) == 1  # steps after the last checkpoint were redone, none before it
