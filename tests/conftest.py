@@ -14,14 +14,14 @@ prepare()  # the tests' clusters: loopback, quiet, token auth (set before any te
 
 
 LONGEST_FIRST = (
-    "test_faults", "test_matrix", "test_train_moe", "test_weight_sync", "test_train_objectives", "test_readme_commands",
-    "test_common_random_numbers", "test_observability", "test_vllm_default", "test_controller_e2e", "test_train_episodes",
-    "test_frontier", "test_stop_signals", "test_faults_cluster", "test_learner_step", "test_train_tasks", "test_train_parallel",
-    "test_vllm_engine", "test_experiments", "test_own_task", "test_eval", "test_vllm_train", "test_placement", "test_export",
-    "test_offline_model", "test_network", "test_learner_parallel", "test_learner_group", "test_hf_engine", "test_loggers",
-    "test_rollout_worker", "test_controller_cluster",
+    "test_faults", "test_weight_sync", "test_matrix", "test_train_objectives", "test_train_moe", "test_vllm_default",
+    "test_observability", "test_vllm_train", "test_train_episodes", "test_readme_commands", "test_stop_signals",
+    "test_common_random_numbers", "test_frontier", "test_eval", "test_faults_cluster", "test_experiments", "test_learner_step",
+    "test_controller_e2e", "test_vllm_engine", "test_own_task", "test_placement", "test_train_parallel", "test_export",
+    "test_loggers", "test_network", "test_hf_engine", "test_learner_group", "test_learner_parallel", "test_train_tasks",
+    "test_offline_model", "test_controller_cluster", "test_rollout_worker", "test_docs",
 )
-"""The modules that took 20 s or more in a full run (2-core EPYC, 2026-12-06, pytest --junitxml),
+"""The modules that took 20 s or more in a full run (2-core EPYC, 2026-12-07, pytest --junitxml),
 longest first. They are collected first and scripts/test.sh keeps that order for pytest-xdist
 (``--no-loadscope-reorder``; by default xdist orders modules by their number of tests, which put
 single long tests such as test_vllm_default last), so its processes start on the long modules and
