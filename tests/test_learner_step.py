@@ -98,6 +98,7 @@ BF16_LOGP_TOLERANCE = 0.25
 (measured here: mean ~0.02, max ~0.1 over 8 sampled completions; bf16 keeps 8 mantissa bits)."""
 
 
+@pytest.mark.slow  # ~50 s on a CPU without bf16 units (the AVX2-only EPYC): out of `make test-fast`
 def test_bf16_learner_agrees_with_fp32_and_drpo_moves_logprobs_with_the_advantage(megatron_single_rank, smollm2_folder, smollm2_completions):
     ids, mask, rollout = smollm2_completions
     cfg = LearnerConfig(
