@@ -14,17 +14,16 @@ import time
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import objectives
 from controller.backend import Backend, DeadlineExceeded, Events, LearnerLost, PublishReport, TrainResult, WorkersGone
 from controller.broadcast_sync import BROADCAST_ATTEMPTS, BroadcastSync
 from controller.config import RunConfig
+from learner import actor_pool
 from learner.batch import TrainBatch
 from learner.group import LearnerGroup, LearnerTimeout, late_refs
 from learner.host import check_host
-from learner.placement import PlacementError, role_bundle, wait_placed
+from learner.placement import PlacementError, role_bundle
 from rollout.records import Ticket
 from rollout.scheduler import Submission
 from rollout.worker import RolloutWorker
@@ -79,25 +78,21 @@ class RayBackend(Backend):
         self.learner = LearnerGroup.build(cfg.learner, model_folder=folder, resources=cfg.learner_resources, wait=False) if learner else None
         self.workers = ro.workers
         bundle = role_bundle(ro.cpus_per_worker, ro.gpus_per_worker, ro.node_resource)
-        self.pg = placement_group([bundle] * ro.workers, strategy="SPREAD")
+        topk = objectives.required_topk(cfg.learner.objective)
         try:
-            wait_placed(self.pg, f"the rollout workers (rollout.workers {ro.workers}, each {bundle})", [bundle] * ro.workers)
+            self._placed = actor_pool.place(
+                RolloutWorker, [bundle] * ro.workers, "SPREAD", f"the rollout workers (rollout.workers {ro.workers}, each {bundle})",
+                {"num_cpus": ro.cpus_per_worker, "num_gpus": ro.gpus_per_worker, "max_concurrency": 4,
+                 "max_restarts": ro.max_restarts, "max_task_retries": 0},
+                [((ro,), {"model_folder": folder, "worker_id": i, "topk_logprobs": topk, "seed": cfg.seed,
+                          "eval_temperature": cfg.eval.temperature, "record_routing": cfg.learner.routing_replay})
+                 for i in range(ro.workers)],
+            )
         except PlacementError:
             if self.learner is not None:
                 self.learner.shutdown()  # do not keep the learner's placement group on a shared cluster
             raise
-        actor = ray.remote(RolloutWorker)
-        self.actors = [
-            actor.options(
-                num_cpus=ro.cpus_per_worker, num_gpus=ro.gpus_per_worker, max_concurrency=4,
-                max_restarts=ro.max_restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(
-                ro, model_folder=folder, worker_id=i, topk_logprobs=objectives.required_topk(cfg.learner.objective), seed=cfg.seed,
-                eval_temperature=cfg.eval.temperature, record_routing=cfg.learner.routing_replay,
-            )
-            for i in range(ro.workers)
-        ]
+        self.pg, self.actors = self._placed.pg, self._placed.actors
         began = time.monotonic()
         try:
             if self.learner is not None:
@@ -460,18 +455,20 @@ class RayBackend(Backend):
         self._serving = [version] * self.workers
 
     def shutdown(self) -> None:
-        # each worker closes its engine (engine processes, /dev/shm staging) before its process is killed
+        # each worker closes its engine (engine processes, /dev/shm staging) before its process is
+        # killed, or kept for the driver's next run (learner/actor_pool.py)
         closing = [a.shutdown.remote() for i, a in enumerate(self.actors) if i not in getattr(self, "_down", ())]
+        closed = []
         try:
-            ray.wait(closing, num_returns=len(closing), timeout=ENGINE_CLOSE_SECONDS)
-        except RayActorError:
-            pass
+            closed, _ = ray.wait(closing, num_returns=len(closing), timeout=ENGINE_CLOSE_SECONDS)
+            ray.get(closed)
+        except (RayActorError, ray.exceptions.RayTaskError):
+            closed = []
         try:
             if self.learner is not None:
                 self.learner.shutdown()
         except RayActorError:
             pass  # a dead learner has nothing left to shut down
         finally:
-            for a in self.actors:
-                ray.kill(a)
-            remove_placement_group(self.pg)
+            clean = len(closed) == len(self.actors) == len(closing) and not getattr(self, "_dead_life", None)
+            actor_pool.release(self._placed, clean)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learner.host import check_host
-from learner.placement import role_bundle, wait_placed
+from learner import actor_pool
+from learner.placement import role_bundle
 from learner.weights.wire import DEFAULT_BUCKET_BYTES, Publication
 from learner.config import LearnerConfig, LearnerResources
 from learner.batch import TrainBatch
@@ -52,19 +51,13 @@ class LearnerGroup:
         n = cfg.parallel.world_size
         per_rank = resources.cpus_per_worker
         bundle = role_bundle(per_rank, resources.gpus_per_worker, resources.node_resource)
-        self.pg = placement_group([bundle] * n, strategy="PACK")
         p = cfg.parallel
-        wait_placed(self.pg, f"the learner group ({n} ranks: learner.parallel tensor {p.tensor} x data {p.data}, each "
-                    f"learner_resources {bundle})", [bundle] * n)
-        actor = ray.remote(LearnerWorker)
-        self.workers = [
-            actor.options(
-                num_cpus=per_rank,
-                num_gpus=resources.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(cfg, i, n, resources.threads)
-            for i in range(n)
-        ]
+        self._placed = actor_pool.place(
+            LearnerWorker, [bundle] * n, "PACK",
+            f"the learner group ({n} ranks: learner.parallel tensor {p.tensor} x data {p.data}, each learner_resources {bundle})",
+            {"num_cpus": per_rank, "num_gpus": resources.gpus_per_worker}, [((cfg, i, n, resources.threads), {}) for i in range(n)],
+        )
+        self.pg, self.workers = self._placed.pg, self._placed.actors
         # rank 0's rendezvous goes to every rank as an object ref, not through this process: the
         # constructor returns while the ranks' processes still start (other actors start meanwhile)
         rendezvous = self.workers[0].address.remote()
@@ -144,11 +137,11 @@ class LearnerGroup:
     def shutdown(self, timeout: float | None = SHUTDOWN_SECONDS) -> None:
         """Leave the process groups and stop every rank; a rank still busy after ``timeout`` seconds
         (a step in flight when the run is stopped at once) is killed."""
+        clean = False
         try:
             ray.get([w.shutdown.remote() for w in self.workers], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
+            clean = True
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
             pass
         finally:
-            for w in self.workers:
-                ray.kill(w)
-            remove_placement_group(self.pg)
+            actor_pool.release(self._placed, clean)  # killed, or kept for the driver's next run

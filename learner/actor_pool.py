@@ -1,0 +1,202 @@
+"""Placing a role's actors, and keeping their processes for the next run of the same driver.
+
+A run's rollout workers and learner ranks each live in a Ray actor process of their own, in a
+placement group of their own. Starting such a process costs more than many short runs do
+(importing torch, transformers, megatron-core or vLLM: ~6–16 CPU-seconds each on a 2-core CPU).
+A driver that trains run after run (a grid of ``drpo experiments``, a frontier ladder, a test
+module) can keep them: inside ``reuse()``, a run's actors and their placement group go back to a
+pool when the run ends cleanly, and the next run asking for the same placement (same class, bundles,
+strategy and actor options) gets them, with a new object of the run's class built in each process.
+Outside ``reuse()`` (a single ``drpo train``) every run starts fresh processes and kills them at its
+end, as it always did.
+
+Each actor is a ``Host`` of the role's class: its constructor builds the role's object from
+arguments it reads from the cluster's key-value store under the actor's own slot. A Ray restart
+runs the constructor again, so a restarted process builds the object with the arguments of the run
+it serves now, not with those of the run that first started it. A host that was restarted, or
+whose run did not end cleanly, is killed at the end of its run instead of being kept (its restart
+budget, ``max_restarts``, is spent in part). Process-wide state a run leaves behind that its
+objects do not own (environment variables an engine sets) is put back when the host is released.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import ray
+from ray.experimental import internal_kv
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from learner.placement import wait_placed
+
+NAMESPACE = "drpo-actor-pool"
+RELEASE_SECONDS = 10.0
+"""How long a release waits for every host to drop its object before killing them all."""
+
+
+class Host:
+    """One actor process serving one object of ``target`` (set by ``hosted``); every public method
+    of ``target`` is forwarded to it."""
+
+    target: type = object
+
+    def __init__(self, slot: str):
+        self._slot = slot
+        self._environ = dict(os.environ)
+        self._ready = threading.Event()
+        self._obj = None
+        self._error: BaseException | None = None
+        self._build()  # a first start, or a restart: the slot holds the arguments of the run served now
+
+    def _build(self) -> None:
+        spec = internal_kv._internal_kv_get(self._slot, namespace=NAMESPACE)
+        if spec is None:
+            raise RuntimeError(f"{self.target.__name__}: no arguments under slot {self._slot} (its run ended)")
+        args, kwargs = ray.cloudpickle.loads(spec)
+        self._obj = self.target(*args, **kwargs)
+        self._ready.set()
+
+    def reopen(self) -> None:
+        """Build the object of the run that took this host from the pool (the slot's new arguments);
+        calls forwarded meanwhile wait for it, and get its error if building failed."""
+        try:
+            self._build()
+        except BaseException as err:
+            self._error = err
+            self._ready.set()
+            raise
+
+    def release(self) -> bool:
+        """Drop the run's object (after its own shutdown) and put the environment back; True if this
+        process was never restarted (only such a host is kept)."""
+        self._ready.clear()
+        self._obj, self._error = None, None
+        os.environ.clear()
+        os.environ.update(self._environ)
+        gc.collect()
+        return not ray.get_runtime_context().was_current_actor_reconstructed
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _forward(name: str):
+    def call(self, *args, **kwargs):
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return getattr(self._obj, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+_HOSTED: dict[type, type] = {}
+
+
+def hosted(target: type) -> type:
+    """The Host class of ``target`` (named like it: its processes show as ``ray::<target>.<method>``)."""
+    if target not in _HOSTED:
+        methods = {n: _forward(n) for n in dir(target) if not n.startswith("_") and callable(getattr(target, n)) and not hasattr(Host, n)}
+        _HOSTED[target] = type(target.__name__, (Host,), {"target": target, "__module__": __name__, **methods})
+    return _HOSTED[target]
+
+
+@dataclass
+class Placement:
+    """A role's placement group and its actors (one per bundle, in bundle order)."""
+
+    pg: object
+    actors: list
+    slots: list[str]
+    key: tuple
+    job: str
+    """The driver's job id: actors die with the job that made them."""
+
+
+_reusing = 0
+_idle: list[Placement] = []
+
+
+@contextmanager
+def reuse():
+    """Within this block, placements that end cleanly are kept for the next run asking for the same
+    one; at its end every kept one is stopped (nothing of it stays on the cluster)."""
+    global _reusing
+    _reusing += 1
+    try:
+        yield
+    finally:
+        _reusing -= 1
+        if not _reusing:
+            drain()
+
+
+def drain() -> None:
+    """Stop every kept placement (its processes and its placement group); those of an earlier
+    connection to Ray went with its job."""
+    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    while _idle:
+        kept = _idle.pop()
+        if kept.job == job:
+            _stop(kept)
+
+
+def place(target: type, bundles: list[dict], strategy: str, what: str, options: dict, arguments: list[tuple[tuple, dict]]) -> Placement:
+    """One actor of ``target`` per bundle of a placement group (``strategy``), built with
+    ``arguments[i]`` (args, kwargs) and Ray actor ``options``: kept ones when ``reuse()`` holds a
+    matching placement, else fresh ones (PlacementError, naming ``what``, if Ray cannot place them)."""
+    key = (target, tuple(tuple(sorted(b.items())) for b in bundles), strategy, tuple(sorted(options.items())))
+    job = ray.get_runtime_context().get_job_id()
+    kept = next((p for p in _idle if p.key == key and p.job == job), None)
+    if kept is not None:
+        _idle.remove(kept)
+        for slot, call in zip(kept.slots, arguments):
+            _put(slot, call)
+        for actor in kept.actors:
+            actor.reopen.remote()
+        return kept
+    drain()  # what is kept holds the cluster's resources: free them for this placement
+    pg = placement_group(bundles, strategy=strategy)
+    wait_placed(pg, what, bundles)
+    slots = [f"{target.__name__}-{uuid.uuid4().hex}" for _ in bundles]
+    for slot, call in zip(slots, arguments):
+        _put(slot, call)
+    actor = ray.remote(hosted(target))
+    actors = [
+        actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(slot)
+        for i, slot in enumerate(slots)
+    ]
+    return Placement(pg, actors, slots, key, job)
+
+
+def release(placement: Placement, clean: bool) -> None:
+    """End a run's use of ``placement``: kept for the next run if ``reuse()`` holds, the run ended
+    ``clean`` (every object shut down in time) and no host was restarted; else stopped."""
+    if _reusing and clean:
+        try:
+            kept = ray.get([a.release.remote() for a in placement.actors], timeout=RELEASE_SECONDS)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            kept = [False]
+        if all(kept):
+            _idle.append(placement)
+            return
+    _stop(placement)
+
+
+def _stop(placement: Placement) -> None:
+    for actor in placement.actors:
+        ray.kill(actor)
+    remove_placement_group(placement.pg)
+    for slot in placement.slots:
+        internal_kv._internal_kv_del(slot, namespace=NAMESPACE)
+
+
+def _put(slot: str, call: tuple[tuple, dict]) -> None:
+    internal_kv._internal_kv_put(slot, ray.cloudpickle.dumps(call), overwrite=True, namespace=NAMESPACE)
