@@ -136,36 +136,38 @@ def run_cells(todo, out: Path, base_of, target: float, log=print, on_row=None) -
     ``on_row(row)`` is called as each cell's row is ready. Returns one row per cell: its fields and its summary."""
     from controller.app import train
     from controller.config import load_config
+    from learner import actor_pool
 
     rows = []
-    for cell in todo:
-        run_dir = out / "cells" / cell.name
-        done = run_dir / "summary.json"
-        if done.is_file():
-            summary = json.loads(done.read_text())
-            summary.update(_summarized(run_dir, target, summary.get("error")))  # re-read: new summary fields reach old cells
-        else:
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # an interrupted cell starts over
-            # no Hugging Face export: a cell keeps its summary and metrics.jsonl only (below)
-            cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}", "checkpoint.hf=false"])
-            started = time.time()
-            log(f"[{len(rows) + 1}/{len(todo)}] {cell.name}")
-            try:
-                train(cfg)
-                summary = {**summarize(run_dir, target), "error": None}
-                for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result (hf: cells of older runs)
-                    shutil.rmtree(run_dir / folder, ignore_errors=True)
-            except Exception as err:  # a diverging run is a result, not a reason to stop the grid
-                error = f"{type(err).__name__}: {err}"
-                summary = {**_summarized(run_dir, target, error), "error": error}
-                for folder in ("checkpoints", "hf"):
-                    shutil.rmtree(run_dir / folder, ignore_errors=True)
-            summary["wall_seconds"] = time.time() - started
-            done.write_text(json.dumps(summary))
-        rows.append({**cell.row(), **summary})
-        if on_row is not None:
-            on_row(rows[-1])
+    with actor_pool.reuse():  # a cell's worker processes serve the next cell (its start-up is not in a cell's seconds)
+        for cell in todo:
+            run_dir = out / "cells" / cell.name
+            done = run_dir / "summary.json"
+            if done.is_file():
+                summary = json.loads(done.read_text())
+                summary.update(_summarized(run_dir, target, summary.get("error")))  # re-read: new summary fields reach old cells
+            else:
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)  # an interrupted cell starts over
+                # no Hugging Face export: a cell keeps its summary and metrics.jsonl only (below)
+                cfg = load_config(overrides=[*base_of(cell), *cell.overrides, f"run_dir={run_dir}", "checkpoint.hf=false"])
+                started = time.time()
+                log(f"[{len(rows) + 1}/{len(todo)}] {cell.name}")
+                try:
+                    train(cfg)
+                    summary = {**summarize(run_dir, target), "error": None}
+                    for folder in ("checkpoints", "hf"):  # ~110 MB a stand-in cell; the summary and metrics.jsonl are the result (hf: cells of older runs)
+                        shutil.rmtree(run_dir / folder, ignore_errors=True)
+                except Exception as err:  # a diverging run is a result, not a reason to stop the grid
+                    error = f"{type(err).__name__}: {err}"
+                    summary = {**_summarized(run_dir, target, error), "error": error}
+                    for folder in ("checkpoints", "hf"):
+                        shutil.rmtree(run_dir / folder, ignore_errors=True)
+                summary["wall_seconds"] = time.time() - started
+                done.write_text(json.dumps(summary))
+            rows.append({**cell.row(), **summary})
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
