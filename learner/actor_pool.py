@@ -117,7 +117,7 @@ class Placement:
     slots: list[str]
     key: tuple
     job: str
-    """The driver's job id: actors die with the job that made them."""
+    """The cluster session and the driver's job (``_job``): actors die with the job that made them."""
 
 
 _reusing = 0
@@ -138,10 +138,21 @@ def reuse():
             drain()
 
 
+def kept() -> tuple[set[str], set[str], float]:
+    """What is kept on the cluster now: its actors' ids, its placement groups' ids (hex) and the
+    CPUs its bundles reserve."""
+    job = _job()
+    mine = [p for p in _idle if p.job == job]
+    return (
+        {a._actor_id.hex() for p in mine for a in p.actors}, {p.pg.id.hex() for p in mine},
+        sum(dict(b).get("CPU", 0.0) for p in mine for b in p.key[1]),
+    )
+
+
 def drain() -> None:
     """Stop every kept placement (its processes and its placement group); those of an earlier
     connection to Ray went with its job."""
-    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    job = _job()
     while _idle:
         kept = _idle.pop()
         if kept.job == job:
@@ -153,7 +164,7 @@ def place(target: type, bundles: list[dict], strategy: str, what: str, options: 
     ``arguments[i]`` (args, kwargs) and Ray actor ``options``: kept ones when ``reuse()`` holds a
     matching placement, else fresh ones (PlacementError, naming ``what``, if Ray cannot place them)."""
     key = (target, tuple(tuple(sorted(b.items())) for b in bundles), strategy, tuple(sorted(options.items())))
-    job = ray.get_runtime_context().get_job_id()
+    job = _job()
     kept = next((p for p in _idle if p.key == key and p.job == job), None)
     if kept is not None:
         _idle.remove(kept)
@@ -196,6 +207,15 @@ def _stop(placement: Placement) -> None:
     remove_placement_group(placement.pg)
     for slot in placement.slots:
         internal_kv._internal_kv_del(slot, namespace=NAMESPACE)
+
+
+def _job() -> str | None:
+    """This driver's connection to Ray: the cluster's session and the job (a fresh cluster numbers
+    its first job 01000000 again); None when not connected."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return f"{context.get_session_name()}/{context.get_job_id()}"
 
 
 def _put(slot: str, call: tuple[tuple, dict]) -> None:
