@@ -87,6 +87,7 @@ class RayBackend(Backend):
                 [((ro,), {"model_folder": folder, "worker_id": i, "topk_logprobs": topk, "seed": cfg.seed,
                           "eval_temperature": cfg.eval.temperature, "record_routing": cfg.learner.routing_replay})
                  for i in range(ro.workers)],
+                keep=ro.engine != "sglang",  # sglang's engine must be built on the process's main thread: a fresh one each run
             )
         except PlacementError:
             if self.learner is not None:
@@ -98,7 +99,7 @@ class RayBackend(Backend):
             if self.learner is not None:
                 self._learner_call(self.learner.ready, self.deadlines.startup_seconds)
             beats = self._started_up([a.heartbeat.remote() for a in self.actors], began)  # every engine is up
-        except DeadlineExceeded:
+        except Exception:  # late, or a worker or rank failed to start
             self.shutdown()  # nothing of this run stays placed on the cluster
             raise
         self._life = {w: b["life"] for w, b in enumerate(beats)}
@@ -458,17 +459,17 @@ class RayBackend(Backend):
         # each worker closes its engine (engine processes, /dev/shm staging) before its process is
         # killed, or kept for the driver's next run (learner/actor_pool.py)
         closing = [a.shutdown.remote() for i, a in enumerate(self.actors) if i not in getattr(self, "_down", ())]
-        closed = []
+        ended = []
         try:
             closed, _ = ray.wait(closing, num_returns=len(closing), timeout=ENGINE_CLOSE_SECONDS)
-            ray.get(closed)
-        except (RayActorError, ray.exceptions.RayTaskError):
-            closed = []
+            ended = ray.get(closed)  # whether each worker's threads ended
+        except ray.exceptions.RayError:
+            ended = []
         try:
             if self.learner is not None:
                 self.learner.shutdown()
         except RayActorError:
             pass  # a dead learner has nothing left to shut down
         finally:
-            clean = len(closed) == len(self.actors) == len(closing) and not getattr(self, "_dead_life", None)
+            clean = len(ended) == len(self.actors) == len(closing) and all(ended) and not getattr(self, "_dead_life", None)
             actor_pool.release(self._placed, clean)

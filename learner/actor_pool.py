@@ -3,27 +3,30 @@
 A run's rollout workers and learner ranks each live in a Ray actor process of their own, in a
 placement group of their own. Starting such a process costs more than many short runs do
 (importing torch, transformers, megatron-core or vLLM: ~6–16 CPU-seconds each on a 2-core CPU).
-A driver that trains run after run (a grid of ``drpo experiments``, a frontier ladder, a test
-module) can keep them: inside ``reuse()``, a run's actors and their placement group go back to a
-pool when the run ends cleanly, and the next run asking for the same placement (same class, bundles,
-strategy and actor options) gets them, with a new object of the run's class built in each process.
-Outside ``reuse()`` (a single ``drpo train``) every run starts fresh processes and kills them at its
-end, as it always did.
+A driver that trains run after run (the cells of a grid, a test session) can keep them: inside
+``reuse()``, a run's actors and their placement group go back to a pool when the run ends cleanly,
+and the next run asking for the same placement (same class, bundles, strategy and actor options)
+gets them, with a new object of the run's class built in each process. Outside ``reuse()`` (a
+single ``drpo train``) every run starts fresh processes and kills them at its end.
 
 Each actor is a ``Host`` of the role's class: its constructor builds the role's object from
 arguments it reads from the cluster's key-value store under the actor's own slot. A Ray restart
 runs the constructor again, so a restarted process builds the object with the arguments of the run
-it serves now, not with those of the run that first started it. A host that was restarted, or
-whose run did not end cleanly, is killed at the end of its run instead of being kept (its restart
-budget, ``max_restarts``, is spent in part). Process-wide state a run leaves behind that its
-objects do not own (environment variables an engine sets) is put back when the host is released.
+it serves now, not with those of the run that first started it. A host is killed at the end of
+its run instead of being kept when it was restarted (its restart budget, ``max_restarts``, is
+spent in part), when its run did not shut down cleanly, or when a call of the run still runs in it;
+a kept host that died or was restarted while kept is stopped when the next run asks for it, and
+that run gets fresh ones. Process-wide state a run leaves behind that its objects do not own
+(environment variables an engine sets, CUDA's cached memory) is put back when the host is released.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,13 +55,22 @@ class Host:
         self._ready = threading.Event()
         self._obj = None
         self._error: BaseException | None = None
-        self._build()  # a first start, or a restart: the slot holds the arguments of the run served now
+        self._lock = threading.Lock()
+        self._active = 0
+        """Forwarded calls running now."""
+        if ray.get_runtime_context().was_current_actor_reconstructed and self._arguments() is None:
+            return  # restarted while kept between runs: it builds nothing, and is not handed out again
+        self._build()  # a first start, or a restart during a run: the slot holds the arguments of the run served now
+
+    def _arguments(self):
+        spec = internal_kv._internal_kv_get(self._slot, namespace=NAMESPACE)
+        return None if spec is None else ray.cloudpickle.loads(spec)
 
     def _build(self) -> None:
-        spec = internal_kv._internal_kv_get(self._slot, namespace=NAMESPACE)
-        if spec is None:
+        call = self._arguments()
+        if call is None:
             raise RuntimeError(f"{self.target.__name__}: no arguments under slot {self._slot} (its run ended)")
-        args, kwargs = ray.cloudpickle.loads(spec)
+        args, kwargs = call
         self._obj = self.target(*args, **kwargs)
         self._ready.set()
 
@@ -72,15 +84,29 @@ class Host:
             self._ready.set()
             raise
 
-    def release(self) -> bool:
-        """Drop the run's object (after its own shutdown) and put the environment back; True if this
-        process was never restarted (only such a host is kept)."""
-        self._ready.clear()
-        self._obj, self._error = None, None
+    def fit(self) -> bool:
+        """Whether this host can serve another run: never restarted, and holding no object."""
+        return self._obj is None and not ray.get_runtime_context().was_current_actor_reconstructed
+
+    def release(self, wait_s: float = RELEASE_SECONDS / 2) -> bool:
+        """Drop the run's object (after its own shutdown) and put the environment back, once the
+        calls forwarded to it have returned (up to ``wait_s``); True if it can serve another run: no
+        call still running and the process never restarted."""
+        deadline = time.monotonic() + wait_s
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            if self._active:
+                return False  # a call of the ended run still runs (hung): this process is not kept
+            self._ready.clear()
+            self._obj, self._error = None, None
         os.environ.clear()
         os.environ.update(self._environ)
         gc.collect()
-        return not ray.get_runtime_context().was_current_actor_reconstructed
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next run's engine or learner may share this GPU
+        return self.fit()
 
     def pid(self) -> int:
         return os.getpid()
@@ -91,7 +117,14 @@ def _forward(name: str):
         self._ready.wait()
         if self._error is not None:
             raise self._error
-        return getattr(self._obj, name)(*args, **kwargs)
+        with self._lock:
+            self._active += 1
+            obj = self._obj
+        try:
+            return getattr(obj, name)(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._active -= 1
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -118,6 +151,9 @@ class Placement:
     key: tuple
     job: str
     """The cluster session and the driver's job (``_job``): actors die with the job that made them."""
+    keep: bool = True
+    """Whether it may be kept for the next run."""
+    released: bool = False
 
 
 _reusing = 0
@@ -159,19 +195,29 @@ def drain() -> None:
             _stop(kept)
 
 
-def place(target: type, bundles: list[dict], strategy: str, what: str, options: dict, arguments: list[tuple[tuple, dict]]) -> Placement:
+def place(
+    target: type, bundles: list[dict], strategy: str, what: str, options: dict, arguments: list[tuple[tuple, dict]], keep: bool = True,
+) -> Placement:
     """One actor of ``target`` per bundle of a placement group (``strategy``), built with
     ``arguments[i]`` (args, kwargs) and Ray actor ``options``: kept ones when ``reuse()`` holds a
-    matching placement, else fresh ones (PlacementError, naming ``what``, if Ray cannot place them)."""
+    matching placement, else fresh ones (PlacementError, naming ``what``, if Ray cannot place them).
+    ``keep=False``: never kept (an object that must be built on the process's main thread)."""
     key = (target, tuple(tuple(sorted(b.items())) for b in bundles), strategy, tuple(sorted(options.items())))
     job = _job()
-    kept = next((p for p in _idle if p.key == key and p.job == job), None)
-    if kept is not None:
+    while (kept := next((p for p in _idle if p.key == key and p.job == job), None)) is not None:
         _idle.remove(kept)
+        try:
+            fit = all(ray.get([a.fit.remote() for a in kept.actors], timeout=RELEASE_SECONDS))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            fit = False
+        if not fit:  # died or restarted while kept
+            _stop(kept)
+            continue
         for slot, call in zip(kept.slots, arguments):
             _put(slot, call)
         for actor in kept.actors:
             actor.reopen.remote()
+        kept.released = False
         return kept
     drain()  # what is kept holds the cluster's resources: free them for this placement
     pg = placement_group(bundles, strategy=strategy)
@@ -184,18 +230,24 @@ def place(target: type, bundles: list[dict], strategy: str, what: str, options: 
         actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(slot)
         for i, slot in enumerate(slots)
     ]
-    return Placement(pg, actors, slots, key, job)
+    return Placement(pg, actors, slots, key, job, keep)
 
 
 def release(placement: Placement, clean: bool) -> None:
-    """End a run's use of ``placement``: kept for the next run if ``reuse()`` holds, the run ended
-    ``clean`` (every object shut down in time) and no host was restarted; else stopped."""
-    if _reusing and clean:
+    """End a run's use of ``placement`` (once: a second call does nothing): kept for the next run if
+    ``reuse()`` holds, the run ended ``clean`` (every object shut down in time), no call of the run
+    still runs and no host was restarted; else stopped."""
+    if placement.released:
+        return
+    placement.released = True
+    if _reusing and clean and placement.keep:
         try:
-            kept = ray.get([a.release.remote() for a in placement.actors], timeout=RELEASE_SECONDS)
+            fit = all(ray.get([a.release.remote() for a in placement.actors], timeout=RELEASE_SECONDS))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            kept = [False]
-        if all(kept):
+            fit = False
+        if fit:
+            for slot in placement.slots:  # a host Ray restarts while kept finds no arguments: it builds nothing
+                internal_kv._internal_kv_del(slot, namespace=NAMESPACE)
             _idle.append(placement)
             return
     _stop(placement)

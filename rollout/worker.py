@@ -171,13 +171,15 @@ class RolloutWorker:
                 "engine_call_seconds": self.generator.call_seconds(),
             }
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
         """Stop taking work, let the engine call in flight end (up to ``timeout_s``), then close the
-        engine (its processes and staging folders) and the reward's verifier."""
+        engine (its processes and staging folders) and the reward's verifier. Returns whether the
+        generation and scoring threads ended (a hung engine call keeps them)."""
         self._inbox.close()
         deadline = time.time() + timeout_s
         self._thread.join(timeout=timeout_s)
         self._scorer.join(timeout=max(0.0, deadline - time.time()))
+        ended = not self._thread.is_alive() and not self._scorer.is_alive()
         for part in (self.engine, self.grader):
             close = getattr(part, "close", None)
             if close is not None:
@@ -185,6 +187,7 @@ class RolloutWorker:
                     close()
                 except Exception as err:  # shutting down: say so, and close the rest
                     print(f"rollout worker {self.worker_id}: closing {type(part).__name__} failed: {type(err).__name__}: {err}", flush=True)
+        return ended
 
     def _loop(self) -> None:
         rows = self.max_batch_prompts * self.generator.sampling.n  # a training call's rows

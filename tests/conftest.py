@@ -96,26 +96,17 @@ def smollm2_folder():
     return materialize_smollm2()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def keep_worker_processes():
-    """Runs that end cleanly hand their worker processes to the next run of this test process
-    asking for the same placement, in the same module or the next one (learner/actor_pool.py
-    ``reuse``: a tiny-model run then costs ~2 instead of ~20 CPU-seconds on a 2-core CPU). A test
-    that places actors of its own on the tests' cluster frees the CPUs kept ones hold first
-    (``actor_pool.drain``)."""
-    from learner import actor_pool
-
-    with actor_pool.reuse():
-        yield
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     """A real local Ray cluster on loopback (2 CPUs). The first module that asks starts it and the
     next modules of this test process keep it (a start and a stop cost ~7 s), unless a module leaves
-    something placed or running on it besides the worker processes kept for the next runs: then it
-    is stopped, and the next module starts a fresh one. Modules that join clusters of their own
-    leave it first (tests/clusters.py)."""
+    something placed or running on it: then it is stopped, and the next module starts a fresh one.
+    Within a module, runs that end cleanly hand their worker processes to the next run asking for
+    the same placement (learner/actor_pool.py ``reuse``: a tiny-model run then costs ~2 instead of
+    ~20 CPU-seconds on a 2-core CPU); they are stopped when the module ends. A test that places
+    actors or tasks of its own on this cluster after a run frees the CPUs kept ones hold first
+    (``actor_pool.drain``) or asks for none. Modules that join clusters of their own leave it
+    first (tests/clusters.py)."""
     import ray
 
     from controller.network import init_ray
@@ -126,7 +117,8 @@ def ray_local():
         ray.shutdown()
     if not ray.is_initialized():
         init_ray(num_cpus=2)
-    yield ray
+    with actor_pool.reuse():  # the module's runs share their worker processes; none stay after it
+        yield ray
     if ray.is_initialized() and not _cluster_is_clean(ray):
         actor_pool.drain()
         ray.shutdown()

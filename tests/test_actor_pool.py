@@ -1,9 +1,9 @@
 """Worker processes kept across the runs of one driver (learner/actor_pool.py), through `drpo train`
-(controller.app.train on the tests' Ray cluster, whose fixture holds ``actor_pool.reuse()``): a
+(controller.app.train on the tests' Ray cluster; whose ray_local fixture holds ``actor_pool.reuse()`` for the module): a
 second run asking for the same placement takes the first run's processes and builds its own workers
 in them (its own config: here its group size); a worker Ray restarts inside a kept process comes back
 with the arguments of the run it serves, and that process is not kept afterwards; a drain leaves
-nothing on the cluster."""
+nothing on the cluster; a host with a call of its run still running is not kept."""
 
 from __future__ import annotations
 
@@ -96,3 +96,35 @@ def test_a_restarted_worker_serves_the_current_run_and_its_process_is_not_kept(r
     assert rollout_pid != learner_pid
     actor_pool.drain()
     assert _cluster_is_clean(ray_local)  # nothing kept stays on the cluster
+
+
+def test_a_host_with_a_call_of_its_run_still_running_is_stopped_and_a_kept_one_builds_the_next_runs_object(ray_local):
+    import time
+
+    class Napper:  # the pool's own logic: a stand-in role (defined here, so Ray ships it by value)
+        def __init__(self, tag: str):
+            self.tag = tag
+
+        def nap(self, seconds: float) -> str:
+            time.sleep(seconds)
+            return self.tag
+
+    def place(tag: str):
+        return actor_pool.place(Napper, [{"CPU": 0.01}], "PACK", "a napper", {"num_cpus": 0.01, "max_concurrency": 2}, [((tag,), {})])
+
+    first = place("first")
+    assert ray.get(first.actors[0].nap.remote(0), timeout=60) == "first"
+    pid = ray.get(first.actors[0].pid.remote(), timeout=60)
+    actor_pool.release(first, clean=True)
+    second = place("second")
+    assert ray.get(second.actors[0].pid.remote(), timeout=60) == pid  # kept, and built with the second run's arguments
+    assert ray.get(second.actors[0].nap.remote(0), timeout=60) == "second"
+    hung = second.actors[0].nap.remote(120)  # a call of the run that still runs when the run ends
+    actor_pool.release(second, clean=True)
+    assert second.pg.id.hex() not in actor_pool.kept()[1]
+    with pytest.raises(RayActorError):  # stopped, not kept
+        ray.get(hung, timeout=60)
+    third = place("third")
+    assert ray.get(third.actors[0].pid.remote(), timeout=60) != pid
+    actor_pool.release(third, clean=False)  # a run that did not end cleanly: stopped
+    assert not actor_pool.kept()[1] and _cluster_is_clean(ray_local)
