@@ -101,12 +101,9 @@ def ray_local():
     """A real local Ray cluster on loopback (2 CPUs). The first module that asks starts it and the
     next modules of this test process keep it (a start and a stop cost ~7 s), unless a module leaves
     something placed or running on it: then it is stopped, and the next module starts a fresh one.
-    Within a module, runs that end cleanly hand their worker processes to the next run asking for
-    the same placement (learner/actor_pool.py ``reuse``: a tiny-model run then costs ~2 instead of
-    ~20 CPU-seconds on a 2-core CPU); they are stopped when the module ends. A test that places
-    actors or tasks of its own on this cluster after a run frees the CPUs kept ones hold first
-    (``actor_pool.drain``) or asks for none. Modules that join clusters of their own leave it
-    first (tests/clusters.py)."""
+    Worker processes a test keeps for its next runs (learner/actor_pool.py ``reuse``) are not
+    counted as left behind; they are stopped before the cluster is. Modules that join clusters of
+    their own leave it first (tests/clusters.py)."""
     import ray
 
     from controller.network import init_ray
@@ -117,8 +114,7 @@ def ray_local():
         ray.shutdown()
     if not ray.is_initialized():
         init_ray(num_cpus=2)
-    with actor_pool.reuse():  # the module's runs share their worker processes; none stay after it
-        yield ray
+    yield ray
     if ray.is_initialized() and not _cluster_is_clean(ray):
         actor_pool.drain()
         ray.shutdown()

@@ -1,5 +1,5 @@
 """Worker processes kept across the runs of one driver (learner/actor_pool.py), through `drpo train`
-(controller.app.train on the tests' Ray cluster; whose ray_local fixture holds ``actor_pool.reuse()`` for the module): a
+(controller.app.train on the tests' Ray cluster, inside ``actor_pool.reuse()``): a
 second run asking for the same placement takes the first run's processes and builds its own workers
 in them (its own config: here its group size); a worker Ray restarts inside a kept process comes back
 with the arguments of the run it serves, and that process is not kept afterwards; a drain leaves
@@ -25,6 +25,13 @@ from tests.test_controller_e2e import run_config
 from tests.test_faults import records, when
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def reusing(ray_local):
+    """Each test's runs keep their worker processes for its next runs; none stay after it."""
+    with actor_pool.reuse():
+        yield
 
 
 def config(tmp_path, model, name: str, samples: int, steps: int = 2):
@@ -120,6 +127,7 @@ def test_a_host_with_a_call_of_its_run_still_running_is_stopped_and_a_kept_one_b
     assert ray.get(second.actors[0].pid.remote(), timeout=60) == pid  # kept, and built with the second run's arguments
     assert ray.get(second.actors[0].nap.remote(0), timeout=60) == "second"
     hung = second.actors[0].nap.remote(120)  # a call of the run that still runs when the run ends
+    time.sleep(3)  # it has started (a threaded actor may start calls out of order)
     actor_pool.release(second, clean=True)
     assert second.pg.id.hex() not in actor_pool.kept()[1]
     with pytest.raises(RayActorError):  # stopped, not kept
