@@ -174,15 +174,10 @@ def reuse():
             drain()
 
 
-def kept() -> tuple[set[str], set[str], float]:
-    """What is kept on the cluster now: its actors' ids, its placement groups' ids (hex) and the
-    CPUs its bundles reserve."""
+def kept() -> list[Placement]:
+    """The placements kept now for this driver's next runs."""
     job = _job()
-    mine = [p for p in _idle if p.job == job]
-    return (
-        {a._actor_id.hex() for p in mine for a in p.actors}, {p.pg.id.hex() for p in mine},
-        sum(dict(b).get("CPU", 0.0) for p in mine for b in p.key[1]),
-    )
+    return [p for p in _idle if p.job == job]
 
 
 def drain() -> None:
@@ -246,8 +241,7 @@ def release(placement: Placement, clean: bool) -> None:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             fit = False
         if fit:
-            for slot in placement.slots:  # a host Ray restarts while kept finds no arguments: it builds nothing
-                internal_kv._internal_kv_del(slot, namespace=NAMESPACE)
+            _forget(placement)  # a host Ray restarts while kept finds no arguments: it builds nothing
             _idle.append(placement)
             return
     _stop(placement)
@@ -257,6 +251,11 @@ def _stop(placement: Placement) -> None:
     for actor in placement.actors:
         ray.kill(actor)
     remove_placement_group(placement.pg)
+    _forget(placement)
+
+
+def _forget(placement: Placement) -> None:
+    """Delete the run arguments stored under the placement's slots."""
     for slot in placement.slots:
         internal_kv._internal_kv_del(slot, namespace=NAMESPACE)
 
