@@ -101,32 +101,48 @@ def ray_local():
     """A real local Ray cluster on loopback (2 CPUs). The first module that asks starts it and the
     next modules of this test process keep it (a start and a stop cost ~7 s), unless a module leaves
     something placed or running on it: then it is stopped, and the next module starts a fresh one.
-    Modules that join clusters of their own leave it first (tests/clusters.py)."""
+    Within a module, runs that end cleanly hand their worker processes to the next run asking for
+    the same placement (learner/actor_pool.py ``reuse``: a tiny-model run then costs ~2 instead of
+    ~20 CPU-seconds on a 2-core CPU); they are stopped when the module ends. A test that places
+    actors or tasks of its own on this cluster after a run frees the CPUs kept ones hold first
+    (``actor_pool.drain``) or asks for none. Modules that join clusters of their own leave it
+    first (tests/clusters.py)."""
     import ray
 
     from controller.network import init_ray
+    from learner import actor_pool
 
     if ray.is_initialized() and not _cluster_is_clean(ray, wait=0):  # a module without this fixture left work on it
+        actor_pool.drain()
         ray.shutdown()
     if not ray.is_initialized():
         init_ray(num_cpus=2)
-    yield ray
+    with actor_pool.reuse():  # the module's runs share their worker processes; none stay after it
+        yield ray
     if ray.is_initialized() and not _cluster_is_clean(ray):
         ray.shutdown()
 
 
 def _cluster_is_clean(ray, wait: float = 10.0) -> bool:
-    """No live actor and no placement group left on the cluster, and every CPU free again (within
-    ``wait`` seconds: a killed actor's resources come back shortly after it is gone)."""
+    """No live actor and no placement group left on the cluster but those kept for the next runs
+    (learner/actor_pool.py), and every CPU they do not hold free again (within ``wait`` seconds: a
+    killed actor's resources come back shortly after it is gone)."""
     import time
 
     from ray._private import state  # the GCS's actor table (ray.util.state needs the dashboard, which the tests' clusters leave off)
 
+    from learner import actor_pool
+
+    kept = actor_pool.kept()
+    kept_groups = {p.pg.id.hex() for p in kept}
+    kept_actors = {a._actor_id.hex() for p in kept for a in p.actors}
+    kept_cpus = sum(dict(b).get("CPU", 0.0) for p in kept for b in p.key[1])
     deadline = time.monotonic() + wait
     while True:
-        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-        actors = [a for a in state.actors().values() if a["State"] != "DEAD"]
-        if not groups and not actors and ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"):
+        groups = [g for i, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED" and i not in kept_groups]
+        actors = [a for i, a in state.actors().items() if a["State"] != "DEAD" and i not in kept_actors]
+        free = ray.available_resources().get("CPU", 0.0) + kept_cpus
+        if not groups and not actors and abs(free - ray.cluster_resources().get("CPU", 0.0)) < 1e-6:
             return True
         if time.monotonic() > deadline:
             return False

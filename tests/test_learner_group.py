@@ -76,7 +76,7 @@ def test_a_learner_call_past_its_deadline_names_the_call_and_the_late_ranks(ray_
 
     from learner.group import LearnerTimeout, _get
 
-    @ray_local.remote
+    @ray_local.remote(num_cpus=0)  # kept learner groups hold the CPUs (learner/actor_pool.py)
     def rank(seconds):
         time.sleep(seconds)
         return seconds
