@@ -457,8 +457,10 @@ class RayBackend(Backend):
 
     def shutdown(self) -> None:
         # each worker closes its engine (engine processes, /dev/shm staging) before its process is
-        # killed, or kept for the driver's next run (learner/actor_pool.py)
-        closing = [a.shutdown.remote() for i, a in enumerate(self.actors) if i not in getattr(self, "_down", ())]
+        # killed, or kept for the driver's next run (learner/actor_pool.py), where an engine that can
+        # serve another run is left to the next worker built in that process
+        keep = actor_pool.reusing() and self._placed.keep
+        closing = [a.shutdown.remote(keep_engine=keep) for i, a in enumerate(self.actors) if i not in getattr(self, "_down", ())]
         ended = []
         try:
             closed, _ = ray.wait(closing, num_returns=len(closing), timeout=ENGINE_CLOSE_SECONDS)

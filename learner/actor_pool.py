@@ -18,6 +18,11 @@ spent in part), when its run did not shut down cleanly, or when a call of the ru
 a kept host that died or was restarted while kept is stopped when the next run asks for it, and
 that run gets fresh ones. Process-wide state a run leaves behind that its objects do not own
 (environment variables an engine sets, CUDA's cached memory) is put back when the host is released.
+
+A run's object may also leave a part of itself to the next object built in its process
+(``stash``/``unstash``: a rollout worker's vLLM engine, whose own process takes seconds to start
+and ~5 s to stop); what the next object does not take is closed once it is built, and everything left is
+closed before the host is stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -43,6 +49,39 @@ RELEASE_SECONDS = 10.0
 """How long a release waits for every host to drop its object before killing them all."""
 
 
+_stash: dict[object, tuple[object, Callable[[], None]]] = {}
+"""What a run's objects left in this host process for the next run's (``stash``)."""
+_hosting = False
+"""Whether this process is a host (only a host can keep anything for a next run)."""
+
+
+def stash(key, part, close: Callable[[], None]) -> bool:
+    """In a host process, keep ``part`` for the next object built in it (``unstash(key)``);
+    ``close`` ends it if that object does not take it, or when the host is stopped. Returns False
+    outside a host: nothing is kept, and the caller closes ``part`` itself."""
+    if not _hosting:
+        return False
+    if key in _stash:
+        _close_stash([key])
+    _stash[key] = (part, close)
+    return True
+
+
+def unstash(key):
+    """The part an earlier run of this process stashed under ``key``, now the caller's; else None."""
+    kept = _stash.pop(key, None)
+    return None if kept is None else kept[0]
+
+
+def _close_stash(keys=None) -> None:
+    for key in list(_stash) if keys is None else keys:
+        part, close = _stash.pop(key)
+        try:
+            close()
+        except Exception as err:  # closing leftovers: say so, and close the rest
+            print(f"closing a kept {type(part).__name__} failed: {type(err).__name__}: {err}", flush=True)
+
+
 class Host:
     """One actor process serving one object of ``target`` (set by ``hosted``); every public method
     of ``target`` is forwarded to it."""
@@ -50,6 +89,8 @@ class Host:
     target: type = object
 
     def __init__(self, slot: str):
+        global _hosting
+        _hosting = True
         self._slot = slot
         self._environ = dict(os.environ)
         self._ready = threading.Event()
@@ -71,7 +112,10 @@ class Host:
         if call is None:
             raise RuntimeError(f"{self.target.__name__}: no arguments under slot {self._slot} (its run ended)")
         args, kwargs = call
-        self._obj = self.target(*args, **kwargs)
+        try:
+            self._obj = self.target(*args, **kwargs)
+        finally:
+            _close_stash()  # what the new object did not take
         self._ready.set()
 
     def reopen(self) -> None:
@@ -97,7 +141,7 @@ class Host:
             time.sleep(0.05)
         with self._lock:
             if self._active:
-                return False  # a call of the ended run still runs (hung): this process is not kept
+                return False  # a call of the ended run still runs (hung): this process is not kept (stop closes its stash)
             self._ready.clear()
             self._obj, self._error = None, None
         os.environ.clear()
@@ -107,6 +151,10 @@ class Host:
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()  # the next run's engine or learner may share this GPU
         return self.fit()
+
+    def stop(self) -> None:
+        """Close what this process keeps for a next run (before Ray kills it)."""
+        _close_stash()
 
     def pid(self) -> int:
         return os.getpid()
@@ -153,6 +201,8 @@ class Placement:
     """The cluster session and the driver's job (``_job``): actors die with the job that made them."""
     keep: bool = True
     """Whether it may be kept for the next run."""
+    reused: bool = False
+    """Placed inside ``reuse()``: its runs may have stashed parts (``stash``), closed before a stop."""
     released: bool = False
 
 
@@ -172,6 +222,11 @@ def reuse():
         _reusing -= 1
         if not _reusing:
             drain()
+
+
+def reusing() -> bool:
+    """Whether runs now keep what they can for the next run (inside ``reuse()``)."""
+    return _reusing > 0
 
 
 def kept() -> list[Placement]:
@@ -225,7 +280,7 @@ def place(
         actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(slot)
         for i, slot in enumerate(slots)
     ]
-    return Placement(pg, actors, slots, key, job, keep)
+    return Placement(pg, actors, slots, key, job, keep, reused=reusing())
 
 
 def release(placement: Placement, clean: bool) -> None:
@@ -248,6 +303,8 @@ def release(placement: Placement, clean: bool) -> None:
 
 
 def _stop(placement: Placement) -> None:
+    if placement.reused:  # close what its hosts keep for a next run (a vLLM engine's process) before they are killed
+        ray.wait([a.stop.remote() for a in placement.actors], num_returns=len(placement.actors), timeout=RELEASE_SECONDS)
     for actor in placement.actors:
         ray.kill(actor)
     remove_placement_group(placement.pg)

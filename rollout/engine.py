@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,7 +221,32 @@ class Engine(ABC):
             from rollout.sglang_engine import SGLangEngine as engine
         else:
             raise ValueError(f"rollout.engine {config.engine!r}: Engine.build has no engine of that name")
-        return engine(model_folder, precision=config.precision, **options)
+        key = ("engine", config.engine, str(model_folder), config.precision, repr(sorted(options.items())))
+        pool = sys.modules.get("learner.actor_pool")  # imported in every worker host process; elsewhere nothing is kept
+        kept = pool.unstash(key) if pool is not None else None  # an engine an earlier run of this process left (RolloutWorker.shutdown)
+        if kept is not None:
+            try:
+                kept.renew()
+                return kept
+            except Exception as err:
+                print(f"a kept {config.engine} engine could not serve {model_folder} again ({type(err).__name__}: {err}); starting a new one", flush=True)
+                try:
+                    kept.close()
+                except Exception as closing:
+                    print(f"closing it failed too: {type(closing).__name__}: {closing}", flush=True)
+        built = engine(model_folder, precision=config.precision, **options)
+        built.build_key = key
+        return built
+
+    renewable = False
+    """Whether ``renew`` can make this engine serve its model folder's weights again, for another run."""
+    build_key: tuple | None = None
+    """How ``build`` built it: an engine kept for another run is handed only to a build asking the same."""
+
+    def renew(self) -> None:
+        """Serve the model folder's own weights again, at version 0, with nothing cached from before
+        (engines whose start costs more than a load: ``renewable``)."""
+        raise NotImplementedError(f"{type(self).__name__} is not kept for another run")
 
     def close(self) -> None:
         """Release what the engine holds outside this process's memory (engine processes, staging

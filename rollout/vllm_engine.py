@@ -194,6 +194,13 @@ class DrpoWorkerExtension:
         return dict(self._drpo_sums)
 
 
+    def drpo_forget_run(self) -> None:
+        """Leave the run's weight broadcast group and stop tracking checksums (the engine is kept for another run)."""
+        membership = getattr(self, "_drpo_membership", None)
+        if membership is not None:
+            membership.leave()
+        self._drpo_membership = self._drpo_sums = None
+
     def drpo_join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """This vLLM worker joins the learner's weight broadcast group (NCCL on GPU, gloo on CPU)."""
         from learner.weights.broadcast import Membership
@@ -291,11 +298,28 @@ class VLLMEngine(Engine):
         self.llm = self._run(self._start({**kwargs, **llm_kwargs}))
         self.tokenizer = self.llm.get_tokenizer()
         self._record_engine_processes("EngineCore")  # vLLM's engine-core process (VLLM::EngineCore)
-        if precision == "fp8" and not on_gpu:
-            from learner.weights.hf_io import load_hf_state_dict
+        self._model_folder, self._fake_fp8 = str(model_folder), precision == "fp8" and not on_gpu
+        if self._fake_fp8:
+            self._load(self._folder_weights())
 
-            state = {k: fake_quantize_fp8(v.float()) if v.dim() >= 2 else v for k, v in load_hf_state_dict(model_folder).items()}
-            self._load(state)
+    renewable = True  # a new engine-core process costs more than a reload: its start and the ~5 s its stop waits
+
+    def _folder_weights(self) -> dict[str, torch.Tensor]:
+        """The model folder's weights as this engine serves them (fake-quantized to fp8 on CPU)."""
+        from learner.weights.hf_io import load_hf_state_dict
+
+        state = load_hf_state_dict(self._model_folder)
+        return {k: fake_quantize_fp8(v.float()) if v.dim() >= 2 else v for k, v in state.items()} if self._fake_fp8 else state
+
+    def renew(self) -> None:
+        """Engine.renew: reload the folder's weights into vLLM's worker (no broadcast group, no
+        checksum tracking kept), serve them as version 0, and drop the prefix cache."""
+        self.served.check()
+        self._run(self.llm.collective_rpc("drpo_forget_run"))
+        self._load(self._folder_weights())
+        self.served = ServedWeights(0)
+        self.served.cache_stale = True  # the first generate resets the prefix cache
+        self.tokens_received = 0
 
     @staticmethod
     async def _start(kwargs: dict):

@@ -171,16 +171,24 @@ class RolloutWorker:
                 "engine_call_seconds": self.generator.call_seconds(),
             }
 
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
+    def shutdown(self, timeout_s: float = 10.0, keep_engine: bool = False) -> bool:
         """Stop taking work, let the engine call in flight end (up to ``timeout_s``), then close the
         engine (its processes and staging folders) and the reward's verifier. Returns whether the
-        generation and scoring threads ended (a hung engine call keeps them)."""
+        generation and scoring threads ended (a hung engine call keeps them). ``keep_engine``: in a
+        worker host process (learner/actor_pool.py) an engine that can serve another run
+        (``Engine.renewable``) is left to the next worker built in this process instead, when the
+        threads ended and the engine did not die."""
         self._inbox.close()
         deadline = time.time() + timeout_s
         self._thread.join(timeout=timeout_s)
         self._scorer.join(timeout=max(0.0, deadline - time.time()))
         ended = not self._thread.is_alive() and not self._scorer.is_alive()
-        for part in (self.engine, self.grader):
+        kept = False
+        if keep_engine and ended and self.engine.renewable and not self.engine.ended_processes():
+            from learner.actor_pool import stash  # False outside a worker host process
+
+            kept = stash(self.engine.build_key, self.engine, self.engine.close)
+        for part in [self.grader] if kept else [self.engine, self.grader]:
             close = getattr(part, "close", None)
             if close is not None:
                 try:

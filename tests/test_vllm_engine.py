@@ -129,6 +129,21 @@ def test_a_publication_of_part_of_a_fused_parameter_is_refused_and_the_engine_ke
     assert (after.rollout_logp - recompute_logp(reference, after, 1.0)).abs().max().item() <= 1e-3
 
 
+def test_a_renewed_engine_serves_its_folders_weights_at_version_0_with_nothing_cached(engine, smollm2_folder):
+    """What a run's rollout worker leaves to the next worker built in its process (Engine.renew,
+    RolloutWorker.shutdown ``keep_engine``): after the updates above, the model folder's weights
+    again, as version 0, and no prompt KV computed with the updated weights."""
+    fresh = AutoModelForCausalLM.from_pretrained(smollm2_folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    prompt = [engine.chat_prompt(PROMPTS[0])]
+    params = SamplingParams(n=1, max_new_tokens=6, temperature=1.0, seed=5)
+    updated = engine.generate(prompt, params)[0][0]  # the prompt's KV under the updated weights is in the prefix cache
+    assert engine.version >= 1 and (updated.rollout_logp - recompute_logp(fresh, updated, 1.0)).abs().max().item() > 1e-2
+    engine.renew()
+    renewed = engine.generate(prompt, params)[0][0]
+    assert engine.version == 0 and (renewed.versions == 0).all() and renewed.prompt_version == 0
+    assert (renewed.rollout_logp - recompute_logp(fresh, renewed, 1.0)).abs().max().item() <= 1e-3
+
+
 def test_missing_fused_parts_names_every_sibling_and_expert_a_publication_lacks():
     from rollout.vllm_engine import missing_fused_parts
 
@@ -194,5 +209,9 @@ def test_vllm_moe_serves_every_publication_not_only_the_first_load(tiny_moe_mode
             reference.generate(prompt, SamplingParams(n=1, max_new_tokens=1))  # the hf engine loads a publication at its next call
             gaps.append(largest_gap())
         assert served.version == 4 and max(gaps) < 1e-5, gaps
+        served.renew()  # the folder's weights again, experts repacked (what a kept engine serves the next run)
+        reference.update_weights(wire.buckets(base.items(), version=5, max_bytes=2**20))
+        reference.generate(prompt, SamplingParams(n=1, max_new_tokens=1))
+        assert served.version == 0 and largest_gap() < 1e-5
     finally:
         served.close()
