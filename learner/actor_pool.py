@@ -21,8 +21,8 @@ that run gets fresh ones. Process-wide state a run leaves behind that its object
 
 A run's object may also leave a part of itself to the next object built in its process
 (``stash``/``unstash``: a rollout worker's vLLM engine, whose own process takes seconds to start
-and ~5 s to stop); what the next object does not take is closed once it is built, and everything left is
-closed before the host is stopped.
+and ~5 s to stop); what the next object does not take is closed once it is built, and everything
+left is closed before the host is stopped.
 """
 
 from __future__ import annotations

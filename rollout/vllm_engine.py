@@ -193,7 +193,6 @@ class DrpoWorkerExtension:
             self._drpo_sums = {}
         return dict(self._drpo_sums)
 
-
     def drpo_forget_run(self) -> None:
         """Leave the run's weight broadcast group and stop tracking checksums (the engine is kept for another run)."""
         membership = getattr(self, "_drpo_membership", None)

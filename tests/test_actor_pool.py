@@ -1,9 +1,10 @@
 """Worker processes kept across the runs of one driver (learner/actor_pool.py), through `drpo train`
-(controller.app.train on the tests' Ray cluster, inside ``actor_pool.reuse()``): a
-second run asking for the same placement takes the first run's processes and builds its own workers
-in them (its own config: here its group size); a worker Ray restarts inside a kept process comes back
-with the arguments of the run it serves, and that process is not kept afterwards; a drain leaves
-nothing on the cluster; a host with a call of its run still running is not kept."""
+(controller.app.train on the tests' Ray cluster, whose ray_local fixture holds ``actor_pool.reuse()``
+for the module): a second run asking for the same placement takes the first run's processes and
+builds its own workers in them (its own config: here its group size); a worker Ray restarts inside a
+kept process comes back with the arguments of the run it serves, and that process is not kept
+afterwards; a drain leaves nothing on the cluster; a host with a call of its run still running is
+not kept."""
 
 from __future__ import annotations
 
@@ -25,13 +26,6 @@ from tests.test_controller_e2e import run_config
 from tests.test_faults import records, when
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
-
-
-@pytest.fixture(autouse=True)
-def reusing(ray_local):
-    """Each test's runs keep their worker processes for its next runs; none stay after it."""
-    with actor_pool.reuse():
-        yield
 
 
 def config(tmp_path, model, name: str, samples: int, steps: int = 2):
