@@ -47,7 +47,12 @@ def scraped_run(ray_local, tiny_chat_model, module_tmp):
     })
     try:
         train(cfg)
-        live_at = time.time() - 1.5  # inside the linger window: the target was still up
+        # the time of the last scrape that found the run's endpoint up (it stays up metrics.linger_seconds
+        # after the run, then closes, and the backend's shutdown follows): a query at any later time
+        # finds the run's series marked stale, so every panel's instant query would return nothing
+        scrapes = prom.query("drpo_step[10m]", time.time())
+        assert scrapes, "prometheus never scraped the run"
+        live_at = float(scrapes[0]["values"][-1][0])
         # every series the dashboards use was scraped at least twice by then (rate() needs two)
         assert prom.query("count_over_time(drpo_step[5m])", live_at)[0]["value"][1] not in ("0", "1")
         yield prom, live_at
