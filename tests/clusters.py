@@ -6,16 +6,11 @@ from contextlib import contextmanager
 
 
 def leave_local_ray() -> None:
-    """Leave the cluster this test process joined (the local one tests/conftest.py ray_local keeps
-    across modules, or a cluster of a module's own), stopping the worker processes kept on it for
-    later runs first (tests/conftest.py kept_processes; a kept vLLM engine's own process with
-    them): a test that joins a cluster of its own must not find this process joined to another."""
+    """Stop the local cluster an earlier module of this test process kept (tests/conftest.py
+    ray_local): a test that joins a cluster of its own must not find this process joined to another."""
     import ray
 
-    from learner import actor_pool
-
     if ray.is_initialized():
-        actor_pool.drain()
         ray.shutdown()
 
 
@@ -34,5 +29,5 @@ def local_cluster(nodes: dict[str, dict]):
         ray.init(address=c.address, log_to_driver=False)
         yield c, added
     finally:
-        leave_local_ray()
+        ray.shutdown()
         c.shutdown()

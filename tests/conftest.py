@@ -96,28 +96,17 @@ def smollm2_folder():
     return materialize_smollm2()
 
 
-@pytest.fixture(scope="session")
-def kept_processes():
-    """``actor_pool.reuse()`` for the whole test process: runs that end cleanly hand their worker
-    processes to the next run asking for the same placement (learner/actor_pool.py: a tiny-model
-    run then costs ~2 instead of ~20 CPU-seconds on a 2-core CPU), in this module or a later one;
-    a run asking for another placement stops them first, and the rest are stopped when the session
-    ends."""
-    from learner import actor_pool
-
-    with actor_pool.reuse():
-        yield
-
-
 @pytest.fixture(scope="module")
-def ray_local(kept_processes):
+def ray_local():
     """A real local Ray cluster on loopback (2 CPUs). The first module that asks starts it and the
     next modules of this test process keep it (a start and a stop cost ~7 s), unless a module leaves
-    something placed or running on it besides the processes kept for the next runs
-    (``kept_processes``): then it is stopped, and the next module starts a fresh one. A test that
-    places actors or tasks of its own on this cluster frees the CPUs kept processes hold first
+    something placed or running on it: then it is stopped, and the next module starts a fresh one.
+    Within a module, runs that end cleanly hand their worker processes to the next run asking for
+    the same placement (learner/actor_pool.py ``reuse``: a tiny-model run then costs ~2 instead of
+    ~20 CPU-seconds on a 2-core CPU); they are stopped when the module ends. A test that places
+    actors or tasks of its own on this cluster after a run frees the CPUs kept ones hold first
     (``actor_pool.drain``) or asks for none. Modules that join clusters of their own leave it
-    first (tests/clusters.py), which stops whatever it kept."""
+    first (tests/clusters.py)."""
     import ray
 
     from controller.network import init_ray
@@ -134,7 +123,8 @@ def ray_local(kept_processes):
                 raise
             ray.shutdown()
             init_ray(num_cpus=2)
-    yield ray
+    with actor_pool.reuse():  # the module's runs share their worker processes; none stay after it
+        yield ray
     if ray.is_initialized() and not _cluster_is_clean(ray):
         ray.shutdown()
 

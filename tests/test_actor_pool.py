@@ -1,6 +1,6 @@
 """Worker processes kept across the runs of one driver (learner/actor_pool.py), through `drpo train`
-(controller.app.train on the tests' Ray cluster; tests/conftest.py's kept_processes holds
-``actor_pool.reuse()`` for the test process): a second run asking for the same placement takes the first run's processes and
+(controller.app.train on the tests' Ray cluster, whose ray_local fixture holds ``actor_pool.reuse()``
+for the module): a second run asking for the same placement takes the first run's processes and
 builds its own workers in them (its own config: here its group size); a worker Ray restarts inside a
 kept process comes back with the arguments of the run it serves, and that process is not kept
 afterwards; a drain leaves nothing on the cluster; a host with a call of its run still running is

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.slow]
 @pytest.fixture
 def three_node_cluster(monkeypatch):
     """A head with no CPUs and two 1-CPU worker nodes, each its own raylet on this machine."""
+    import ray
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -27,7 +28,7 @@ def three_node_cluster(monkeypatch):
     cluster.wait_for_nodes()
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     yield cluster, nodes
-    leave_local_ray()
+    ray.shutdown()
     cluster.shutdown()
 
 

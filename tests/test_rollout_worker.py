@@ -30,7 +30,7 @@ def test_rollout_worker_scores_groups_and_takes_weight_updates(ray_local, smollm
     from learner import actor_pool
     from rollout.worker import RolloutWorker
 
-    actor_pool.drain()  # this actor asks for a CPU: worker processes kept for later runs hold them
+    actor_pool.drain()  # this actor asks for a CPU: worker processes kept for the module's next runs hold them
     ray = ray_local
     config = RolloutConfig(samples_per_prompt=3, max_new_tokens=12, temperature=1.0, max_batch_prompts=1)
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(config, model_folder=str(smollm2_folder), worker_id=7, seed=0, topk_logprobs=4)
