@@ -91,8 +91,10 @@ def staging_folders(pids: set[int]) -> set[str]:
     """The vLLM engines' weight staging folders of processes ``pids``, in /dev/shm and on disk
     (rollout/engine.py private_folder: ``drpo-vllm-weights-{pid}-…``; the other test process's
     engines have folders of their own)."""
-    import glob
     import tempfile
+    from pathlib import Path
 
-    found = set(glob.glob("/dev/shm/drpo-vllm-weights-*")) | set(glob.glob(f"{tempfile.gettempdir()}/drpo-vllm-weights-*"))
-    return {f for f in found if int(f.rsplit("/", 1)[-1].split("-")[3]) in pids}
+    from rollout.vllm_engine import STAGING_DIR, STAGING_PREFIX
+
+    found = [f for parent in (STAGING_DIR, tempfile.gettempdir()) for f in Path(parent).glob(f"{STAGING_PREFIX}*-*")]
+    return {str(f) for f in found if int(f.name.removeprefix(STAGING_PREFIX).split("-", 1)[0]) in pids}
